@@ -69,6 +69,9 @@ class BatchOutput:
     """Everything one engine step produced; sent even when empty after a probe-only step."""
 
     outputs: list[ReqOutput]
+    # engine gauges after this step: num_running_reqs, num_waiting_reqs, kv_used_tokens,
+    # kv_total_tokens, cache_hit_tokens (cumulative), prompt_tokens (cumulative, computed+cached)
+    stats: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
