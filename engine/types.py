@@ -210,8 +210,10 @@ class Req:
     num_computed_tokens: int = 0
     cached_tokens: int = 0
     req_pool_idx: int | None = None
+    kv_slots: list[int] = field(default_factory=list)  # KV slot of each computed token
     prefix_node: Any = None  # radix node pinned for this request's cached prefix
     num_cached_in_tree: int = 0  # how many leading tokens of fill_ids are owned by the tree
+    prompt_logprobs_done: bool = False
     total_retractions: int = 0
     # logprobs: lists of (logprob, token_id) and per-position top-k [(logprob, token_id), ...]
     output_token_logprobs: list = field(default_factory=list)

@@ -1,0 +1,99 @@
+"""``ModelRunner``: owns the model, the KV memory and the attention backend; runs one
+``ForwardBatch`` and returns next-token logits."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineArgs, ModelConfig
+from engine.distributed.parallel_state import ParallelState
+from engine.runner.forward_batch import ForwardBatch
+from engine.scheduler.kv_pool import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
+from engine.weights.loader import build_model
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_MAX_TOKENS = 65536  # cap for the CPU KV pool when no size is given
+
+
+@dataclass
+class LogitsOutput:
+    next_token_logits: torch.Tensor  # [R, vocab] float32, rows = batch.logits_indices
+    hidden_states: torch.Tensor | None = None  # [T, hidden]
+
+
+def _available_host_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class ModelRunner:
+    def __init__(self, args: EngineArgs, model_path: str, model_config: ModelConfig,
+                 ps: ParallelState):
+        self.args = args
+        self.ps = ps
+        self.model_config = model_config
+        self.device = torch.device(args.resolved_device)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = args.torch_dtype(model_config)
+        self.context_len = args.context_length or model_config.max_position_embeddings
+        self.model = build_model(model_path, model_config, args.load_format, ps, self.dtype,
+                                 self.device)
+        self.page_size = args.page_size
+        self.max_running_requests = args.max_running_requests or (
+            256 if self.device.type == "cuda" else 128)
+        num_pages = self._num_kv_pages()
+        attn0 = self.model.model.layers[0].self_attn
+        self.kv_cache = KVCache(model_config.num_hidden_layers, num_pages, self.page_size,
+                                attn0.num_kv_heads, model_config.head_dim, self.dtype, self.device)
+        self.allocator = TokenToKVPoolAllocator(num_pages, self.page_size)
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len,
+                                                self.device)
+        self.attn_backend = self._make_backend()
+        logger.info("KV cache: %d tokens (%d pages of %d), %.1f MB", num_pages * self.page_size,
+                    num_pages, self.page_size, self._kv_bytes(num_pages) / 2**20)
+
+    def _kv_bytes(self, num_pages: int) -> int:
+        attn0 = self.model.model.layers[0].self_attn
+        per_token = KVCache.bytes_per_token(self.model_config.num_hidden_layers,
+                                            attn0.num_kv_heads, self.model_config.head_dim,
+                                            self.dtype)
+        return per_token * num_pages * self.page_size
+
+    def _num_kv_pages(self) -> int:
+        """KV capacity in pages: ``--max-total-tokens`` if given, else a fraction of free
+        device memory (``--mem-fraction-static``; CPU: of MemAvailable, capped)."""
+        per_page = self._kv_bytes(1)
+        if self.args.max_total_tokens:
+            return max(1, self.args.max_total_tokens // self.page_size)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            frac = self.args.mem_fraction_static or 0.85
+            budget = free - (1 - frac) * total
+            return max(1, int(budget // per_page))
+        frac = self.args.mem_fraction_static or 0.3
+        pages = int(_available_host_bytes() * frac // per_page)
+        return max(1, min(pages, CPU_DEFAULT_MAX_TOKENS // self.page_size))
+
+    def _make_backend(self):
+        name = self.args.attention_backend or ("flashinfer" if self.device.type == "cuda"
+                                               else "torch")
+        if name == "flashinfer":
+            from engine.attention.flashinfer_backend import FlashInferBackend
+            return FlashInferBackend(self)
+        from engine.attention.torch_backend import TorchBackend
+        return TorchBackend(self.kv_cache, self.req_to_token_pool)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> LogitsOutput:
+        self.attn_backend.init_forward_metadata(batch)
+        logits, hidden = self.model(batch, self.attn_backend)
+        return LogitsOutput(logits, hidden)

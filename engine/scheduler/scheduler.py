@@ -1,0 +1,323 @@
+"""The continuous-batching scheduler. ``step()`` is the algorithm:
+
+    finish aborted requests -> schedule (extend first: chunked prefills, then new requests
+    under the token budget; else decode every running request, retracting on KV shortage)
+    -> build ForwardBatch -> run -> sample -> process results (finish checks, detokenize,
+    release KV into the prefix cache).
+
+Every request's KV is one budget: ``num_computed_tokens`` chases ``len(fill_ids)`` (vLLM v1's
+idea), so prefix hits, chunked prefill, decode and recompute after retraction are one path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import torch
+
+from engine.config import EngineArgs, ModelConfig
+from engine.io_struct import AbortReq, GenerateReqInput, ReqOutput
+from engine.runner.forward_batch import build_forward_batch
+from engine.runner.model_runner import ModelRunner
+from engine.runner.sampler import Sampler, SamplingBatchInfo
+from engine.scheduler import output
+from engine.scheduler.prefix_cache import RadixCache
+from engine.types import FinishReason, ForwardMode, InvalidRequestError, Req, ReqStatus
+
+logger = logging.getLogger(__name__)
+
+HEALTH_CHECK_PREFIX = "HEALTH_CHECK"
+
+
+class Scheduler:
+    def __init__(self, args: EngineArgs, runner: ModelRunner, tokenizer,
+                 model_config: ModelConfig):
+        self.args = args
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.vocab_size = model_config.vocab_size
+        self.eos_token_ids = tuple(model_config.eos_token_ids)
+        self.allocator = runner.allocator
+        self.req_pool = runner.req_to_token_pool
+        self.page_size = runner.page_size
+        self.tree = RadixCache(self.allocator, self.page_size, args.disable_radix_cache)
+        self.sampler = Sampler(args.random_seed)
+        self.context_len = runner.context_len
+        self.max_running = runner.max_running_requests
+        self.chunk_budget = args.chunked_prefill_size if args.chunked_prefill_size and \
+            args.chunked_prefill_size > 0 else args.max_prefill_tokens
+        self.max_req_input_len = min(self.context_len, self.allocator.capacity_tokens) - 1
+        self.weight_version = args.weight_version
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.pending: list[ReqOutput] = []  # rejections and aborts to send with the next step
+        self.health_pending = False  # a probe arrived while busy: the next step answers it
+        self.stats = {"prompt_tokens": 0, "cache_hit_tokens": 0, "generation_tokens": 0}
+
+    # ---------------------------------------------------------------- inputs
+    def add_request(self, r: GenerateReqInput) -> None:
+        """Queue a request, or answer it at once with an error naming the bad field."""
+        if r.rid.startswith(HEALTH_CHECK_PREFIX) and self.busy:
+            self.health_pending = True  # a busy engine answers from steps it runs anyway
+            return
+        try:
+            self._validate(r)
+        except InvalidRequestError as e:
+            self.pending.append(output.rejection(r, str(e), self.weight_version))
+            return
+        sp = r.sampling_params
+        req = Req(r.rid, list(r.input_ids), sp, r.return_logprob, r.top_logprobs_num,
+                  r.logprob_start_len, r.stream, r.log_metrics)
+        sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - len(r.input_ids))
+        req.detok = output.make_detokenizer(self.tokenizer, sp)
+        self.waiting.append(req)
+
+    def _validate(self, r: GenerateReqInput) -> None:
+        if not r.input_ids:
+            raise InvalidRequestError("input_ids", "the prompt is empty")
+        if len(r.input_ids) > self.max_req_input_len:
+            raise InvalidRequestError(
+                "input_ids", f"prompt has {len(r.input_ids)} tokens, more than the limit "
+                f"{self.max_req_input_len} (context length {self.context_len})")
+        bad = [t for t in r.input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError("input_ids", f"token id {bad[0]} outside the vocabulary "
+                                      f"[0, {self.vocab_size})")
+        r.sampling_params.validate(self.vocab_size)
+
+    def abort(self, a: AbortReq) -> None:
+        """Abort by rid prefix (SGLang semantics) or all: waiting ones at once, running ones
+        before the next step."""
+        def hit(req):
+            return a.abort_all or (a.rid and req.rid.startswith(a.rid))
+
+        for req in [q for q in self.waiting if hit(q)]:
+            self.waiting.remove(req)
+            self._release(req)
+            req.finish_reason = FinishReason("abort", message="Abort in waiting queue")
+            self.pending.append(output.make_output(req, self.weight_version, final=True))
+        for req in self.running:
+            if hit(req):
+                req.to_abort = FinishReason("abort", message="Abort before decode")
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ---------------------------------------------------------------- the loop
+    def step(self) -> list[ReqOutput]:
+        """Run one forward step if there is work; return the outputs to send."""
+        outs, self.pending = self.pending, []
+        for req in [q for q in self.running if q.to_abort is not None]:
+            self.running.remove(req)
+            req.finish_reason = req.to_abort
+            self._release(req)
+            outs.append(output.make_output(req, self.weight_version, final=True))
+        reqs, ext_lens, mode = self._schedule()
+        if reqs:
+            outs.extend(self._run(reqs, ext_lens, mode))
+        return outs
+
+    def _schedule(self) -> tuple[list[Req], list[int], ForwardMode]:
+        reqs, lens, budget = [], [], self.chunk_budget
+        for req in [q for q in self.running if len(q.fill_ids) - q.num_computed_tokens > 1]:
+            n = self._alloc_extend(req, budget)
+            if n == 0:
+                break
+            reqs.append(req)
+            lens.append(n)
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            if not self._admit(req):
+                break
+            n = self._alloc_extend(req, budget)
+            if n == 0:
+                self._release(req)
+                break
+            self.waiting.popleft()
+            req.status = ReqStatus.RUNNING
+            self.running.append(req)
+            reqs.append(req)
+            lens.append(n)
+            budget -= n
+        if reqs:
+            return reqs, lens, ForwardMode.EXTEND
+        decode = [q for q in self.running if len(q.fill_ids) - q.num_computed_tokens == 1]
+        decode = self._alloc_decode(decode)
+        if not decode and self.running:  # partial prefills stuck on memory
+            if len(self.running) > 1:
+                self._retract(self.running[-1])
+            else:
+                self.running[0].to_abort = FinishReason(
+                    "abort", message="KV cache too small for this request", status_code=400)
+        return decode, [1] * len(decode), ForwardMode.DECODE
+
+    def _admit(self, req: Req) -> bool:
+        """Give a waiting request a req_to_token row and its cached prefix."""
+        row = self.req_pool.alloc()
+        if row is None:
+            return False
+        req.req_pool_idx = row
+        key = req.fill_ids[:-1]
+        if req.return_logprob and req.logprob_start_len >= 0 and not req.prompt_logprobs_done:
+            key = key[:max(0, req.logprob_start_len - 1)]  # those positions need logits
+        slots, node = self.tree.match_prefix(key)
+        self.tree.lock(node)
+        req.prefix_node = node
+        req.kv_slots = list(slots)
+        req.num_computed_tokens = req.num_cached_in_tree = len(slots)
+        if req.total_retractions == 0:  # recompute hits are not the client's cache hits
+            req.cached_tokens = len(slots)
+            if req.log_metrics:
+                self.stats["prompt_tokens"] += len(req.origin_input_ids)
+                self.stats["cache_hit_tokens"] += len(slots)
+        if slots:
+            self.req_pool.req_to_token[row, :len(slots)] = torch.tensor(slots, dtype=torch.int32)
+        return True
+
+    def _alloc_slots(self, req: Req, n: int) -> bool:
+        seq = req.num_computed_tokens
+        last = req.kv_slots[seq - 1] if seq else 0
+        slots = self.allocator.alloc(seq, last, n)
+        if slots is None:
+            self.tree.evict(self.allocator.pages_needed(seq, n) * self.page_size)
+            slots = self.allocator.alloc(seq, last, n)
+        if slots is None:
+            return False
+        req.kv_slots[seq:] = slots
+        self.req_pool.req_to_token[req.req_pool_idx, seq:seq + n] = torch.tensor(
+            slots, dtype=torch.int32)
+        return True
+
+    def _alloc_extend(self, req: Req, budget: int) -> int:
+        """Allocate KV for the next chunk of ``req`` (at most ``budget`` tokens, shrunk to
+        what memory allows). Returns the chunk length, 0 if nothing fits."""
+        n = min(len(req.fill_ids) - req.num_computed_tokens, budget)
+        while n > 0 and not self._alloc_slots(req, n):
+            n //= 2
+        return n
+
+    def _alloc_decode(self, reqs: list[Req]) -> list[Req]:
+        """One KV slot per decoding request; on shortage retract the newest requests (their
+        computed KV goes to the prefix cache, they recompute later). A request alone that
+        still finds no room has outgrown the KV pool: it is aborted at the next step."""
+        ok, pending = [], list(reqs)
+        while pending:
+            req = pending[0]
+            if self._alloc_slots(req, 1):
+                ok.append(pending.pop(0))
+                continue
+            victim = pending.pop()
+            if victim is req and not ok:
+                req.to_abort = FinishReason("abort", message="KV cache full: sequence longer "
+                                            "than the KV pool", status_code=400)
+                break
+            self._retract(victim)
+        return ok
+
+    def _retract(self, req: Req) -> None:
+        logger.info("retracting %s (KV cache full)", req.rid)
+        self.running.remove(req)
+        self._release(req)
+        req.status = ReqStatus.WAITING
+        req.total_retractions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Req) -> None:
+        """Return ``req``'s KV: computed page-aligned tokens go to the prefix cache (the tree
+        keeps one copy; duplicates and the unaligned tail are freed), the row is freed."""
+        if req.req_pool_idx is None:
+            return
+        n = req.num_computed_tokens
+        slots = req.kv_slots
+        aligned = n // self.page_size * self.page_size
+        own_from = req.num_cached_in_tree
+        if not self.tree.disabled and aligned > 0:
+            dup = self.tree.insert(req.fill_ids[:aligned], slots[:aligned])
+            self.allocator.free(slots[own_from:max(own_from, dup)])
+            own_from = aligned
+        self.allocator.free(slots[own_from:])
+        self.tree.unlock(req.prefix_node)
+        self.req_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.prefix_node, req.kv_slots = None, None, []
+        req.num_computed_tokens = req.num_cached_in_tree = 0
+
+    def _run(self, reqs: list[Req], ext_lens: list[int], mode: ForwardMode) -> list[ReqOutput]:
+        ids, pos, locs, prefix, logit_rows, plan = [], [], [], [], [], []
+        for req, n in zip(reqs, ext_lens):
+            start, fill = req.num_computed_tokens, req.fill_ids
+            base = len(ids)
+            ids.extend(fill[start:start + n])
+            pos.extend(range(start, start + n))
+            locs.extend(req.kv_slots[start:start + n])
+            prefix.append(start)
+            prompt_rows = output.prompt_logprob_positions(req, start, n)
+            logit_rows.extend(base + p - start for p in prompt_rows)
+            samples = start + n == len(fill)
+            if samples:
+                logit_rows.append(base + n - 1)
+            plan.append((prompt_rows, samples))
+        batch = build_forward_batch(mode, ids, pos, locs, [r.req_pool_idx for r in reqs], prefix,
+                                    ext_lens, logit_rows, self.runner.device)
+        logits = self.runner.forward(batch).next_token_logits
+        for req, n in zip(reqs, ext_lens):
+            req.num_computed_tokens += n
+        return self._process_results(reqs, plan, logits)
+
+    def _process_results(self, reqs, plan, logits) -> list[ReqOutput]:
+        row, sample_rows, sample_reqs = 0, [], []
+        for req, (prompt_rows, samples) in zip(reqs, plan):
+            if prompt_rows:
+                output.add_prompt_logprobs(req, prompt_rows, logits[row:row + len(prompt_rows)])
+                row += len(prompt_rows)
+            if samples:
+                sample_rows.append(row)
+                sample_reqs.append(req)
+                row += 1
+        outs = []
+        if sample_reqs:
+            info = SamplingBatchInfo.from_reqs(sample_reqs, self.vocab_size, logits.device,
+                                               self.eos_token_ids)
+            want_lp = any(r.return_logprob for r in sample_reqs)
+            top_n = max(r.top_logprobs_num for r in sample_reqs)
+            res = self.sampler(logits[sample_rows], info, sample_reqs, want_lp, top_n)
+            next_ids = res.next_token_ids.tolist()
+            for i, req in enumerate(sample_reqs):
+                n_before = len(req.output_ids)
+                finished = output.append_token(req, next_ids[i], res, i, self.eos_token_ids,
+                                               self.context_len)
+                if req.log_metrics:
+                    self.stats["generation_tokens"] += len(req.output_ids) - n_before
+                if finished:
+                    self.running.remove(req)
+                    self._release(req)
+                    req.status = ReqStatus.FINISHED
+                    outs.append(output.make_output(req, self.weight_version, final=True))
+                elif req.stream:
+                    outs.append(output.make_output(req, self.weight_version, final=False))
+        return outs
+
+    # ---------------------------------------------------------------- control
+    def flush_cache(self) -> tuple[bool, str]:
+        if self.busy:
+            return False, "Cache not flushed: there are running or waiting requests."
+        self.tree.reset()
+        self.allocator.clear()
+        self.req_pool.clear()
+        return True, "Cache flushed."
+
+    def get_internal_state(self) -> dict:
+        cap = self.allocator.capacity_tokens
+        used = cap - self.allocator.available_tokens - self.tree.evictable_tokens
+        return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
+                "kv_used_tokens": used, "kv_total_tokens": cap,
+                "token_usage": used / cap, "max_total_num_tokens": cap,
+                "max_running_requests": self.max_running,
+                "max_req_input_len": self.max_req_input_len,
+                "cache_hit_tokens": self.stats["cache_hit_tokens"],
+                "prompt_tokens": self.stats["prompt_tokens"],
+                "generation_tokens": self.stats["generation_tokens"],
+                "weight_version": self.weight_version}

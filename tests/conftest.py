@@ -1,0 +1,19 @@
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+STORIES = os.path.join(ROOT, "tests", "fixtures", "stories260K")
+# Golden greedy continuation of "Once upon a time" (tests/fixtures/stories260K/README.md)
+STORIES_GOLDEN = (", there was a little girl named Lily. She loved to play outside in the park. "
+                  "One day, she saw a big, red ball. She wanted to play with it, but it was too "
+                  "high.")
+
+
+@pytest.fixture(scope="session")
+def stories_path():
+    return STORIES
