@@ -34,7 +34,16 @@ class EngineArgs:
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
     random_seed: int | None = None
     tp_size: int = 1
+    # multi-node TP, SGLang's flags: ranks node_rank * tp_size // nnodes ... run on this node;
+    # dist_init_addr "host:port" of global rank 0's TCPStore (None: a free local port)
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     attention_backend: str | None = None  # torch | flashinfer; None = by device
+    # CUDA graphs for DECODE (flashinfer backend only): batch-size buckets up to this size
+    # (None = min(256, max_running_requests)); disable_cuda_graph runs every step eagerly
+    cuda_graph_max_bs: int | None = None
+    disable_cuda_graph: bool = False
     weight_version: str = "default"
     skip_warmup: bool = False
     # test-only: seconds to sleep before declaring ready (documented in README: it makes the

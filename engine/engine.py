@@ -92,6 +92,7 @@ class Engine:
         for i, (item, spd) in enumerate(zip(items, sps)):
             toks = self.tokenizer.encode(item) if isinstance(item, str) else list(item)
             sp = SamplingParams.from_dict(spd)
+            sp.validate(self.scheduler.vocab_size)
             for j in range(sp.n):
                 r = f"{base}_{i}" if batch else base
                 r = f"{r}_{j}" if sp.n > 1 else r

@@ -82,13 +82,16 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True) -> None:
+                 spaces_between_special_tokens: bool = True,
+                 context_ids: list[int] | tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
-        self.token_ids: list[int] = []
+        # ``context_ids`` (the prompt's last few tokens, as SGLang's detokenizer keeps) are
+        # decoded with the output so its first token keeps its leading space; never emitted.
+        self.token_ids: list[int] = [int(t) for t in context_ids]
         self.prefix_offset = 0  # window start: first token of the context re-decoded each step
-        self.read_offset = 0  # tokens before this are already part of ``text``
+        self.read_offset = len(self.token_ids)  # tokens before this are already in ``text``
         self._text_parts: list[str] = []
         # skipped specials vanish before decoding, so they do not end a byte-fallback run
         self._skipped_ids = set(tokenizer.all_special_ids) if skip_special_tokens else set()

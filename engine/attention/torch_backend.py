@@ -8,7 +8,6 @@ Requests are handled one at a time so a request's arithmetic does not depend on 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.runner.forward_batch import ForwardBatch
 from engine.scheduler.kv_pool import KVCache, ReqToTokenPool
@@ -49,6 +48,10 @@ class TorchBackend:
             qi = q[start:start + ext].transpose(0, 1)  # [H, ext, D]
             ki = k_buf[slots].to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
             vi = v_buf[slots].to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+            # plain softmax attention: on CPU it beats SDPA's kernels at these small shapes
+            scores = torch.matmul(qi, ki.transpose(1, 2)).mul_(scale)
+            if mask is not None:
+                scores.masked_fill_(~mask, float("-inf"))
+            o = torch.matmul(torch.softmax(scores.float(), dim=-1).to(vi.dtype), vi)
             out[start:start + ext] = o.transpose(0, 1).reshape(ext, num_heads * head_dim)
         return out

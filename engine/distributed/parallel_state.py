@@ -54,3 +54,41 @@ class ParallelState:
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
         dist.all_gather(parts, x.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)
+
+    # ---- control-plane helpers over the gloo CPU group (plain Python objects / ints) ----
+    # The payloads are our own ranks' messages (pickled by torch.distributed); the group's
+    # address is the deployment's --dist-init-addr, as in SGLang's broadcast_pyobj.
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank (others pass anything, e.g. None)."""
+        if self.tp_size == 1:
+            return obj
+        import torch.distributed as dist
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.cpu_group)
+        return box[0]
+
+    def gather_objects(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every rank's ``obj`` as a list indexed by ``tp_rank`` on rank ``dst``; None elsewhere."""
+        if self.tp_size == 1:
+            return [obj]
+        import torch.distributed as dist
+        out = [None] * self.tp_size if self.tp_rank == dst else None
+        dist.gather_object(obj, out, dst=dst, group=self.cpu_group)
+        return out
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest ``value`` (an int, e.g. KV pages) over all TP ranks, on every rank."""
+        if self.tp_size == 1:
+            return value
+        import torch
+        import torch.distributed as dist
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+    def barrier(self) -> None:
+        """Wait until every TP rank gets here (over the CPU group)."""
+        if self.tp_size > 1:
+            import torch.distributed as dist
+            dist.barrier(group=self.cpu_group)

@@ -12,6 +12,8 @@ import math
 import torch
 from torch import nn
 
+from engine.layers.cuda_ops import ROPE_HEAD_DIMS, fused_ok
+
 
 def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] float32."""
@@ -42,8 +44,21 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        # flashinfer's layout: float32 [max_position, head_dim] = [cos | sin] of the half angles
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
+                             persistent=False)
+        self.head_dim = head_dim
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """Returns rotated (q, k). CUDA bf16/fp16 with head_dim in (64, 128, 256): one flashinfer
+        kernel, in place on q and k (they may be strided views of the fused qkv output)."""
+        fi = fused_ok(q)
+        if fi is not None and self.head_dim in ROPE_HEAD_DIMS:
+            t = q.shape[0]
+            q2, k2 = q.reshape(t, -1), k.reshape(t, -1)  # views when the layout allows
+            fi.apply_rope_with_cos_sin_cache_inplace(positions, q2, k2, self.head_dim,
+                                                     self.cos_sin_cache, is_neox=True)
+            return q2.view(q.shape), k2.view(k.shape)
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

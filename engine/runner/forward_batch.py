@@ -59,16 +59,21 @@ def build_forward_batch(mode: ForwardMode, input_ids: list[int], positions: list
                         prefix_lens: list[int], extend_lens: list[int],
                         logits_indices: list[int], device: torch.device,
                         custom_mask: list[torch.Tensor] | None = None) -> ForwardBatch:
-    """Build a ForwardBatch from Python lists (one host-to-device copy per field)."""
+    """Build a ForwardBatch from Python lists with one host-to-device copy: the eight int64
+    fields are packed into one (pinned, on CUDA) host tensor, copied without blocking, and
+    split into views on ``device``."""
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-
-    def t(x):
-        return torch.tensor(x, dtype=torch.int64, device=device)
-
+    fields = (input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, prefix_lens,
+              extend_lens, logits_indices)
+    flat = [x for f in fields for x in f]
+    host = torch.tensor(flat, dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    packed = host.to(device, non_blocking=True)
+    views = packed.split([len(f) for f in fields])
     return ForwardBatch(
-        mode=mode, input_ids=t(input_ids), positions=t(positions), out_cache_loc=t(out_cache_loc),
-        req_pool_indices=t(req_pool_indices), seq_lens=t(seq_lens),
-        extend_prefix_lens=t(prefix_lens), extend_seq_lens=t(extend_lens),
-        logits_indices=t(logits_indices), seq_lens_cpu=seq_lens,
+        mode=mode, input_ids=views[0], positions=views[1], out_cache_loc=views[2],
+        req_pool_indices=views[3], seq_lens=views[4], extend_prefix_lens=views[5],
+        extend_seq_lens=views[6], logits_indices=views[7], seq_lens_cpu=seq_lens,
         extend_prefix_lens_cpu=list(prefix_lens), extend_seq_lens_cpu=list(extend_lens),
         req_pool_indices_cpu=list(req_pool_indices), custom_mask=custom_mask)

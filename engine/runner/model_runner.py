@@ -50,22 +50,36 @@ class ModelRunner:
         self.page_size = args.page_size
         self.max_running_requests = args.max_running_requests or (
             256 if self.device.type == "cuda" else 128)
-        num_pages = self._num_kv_pages()
+        # every TP rank must see the same capacity or their schedulers drift apart
+        self.backend_name = args.attention_backend or (
+            "flashinfer" if self.device.type == "cuda" else "torch")
+        self.kv_head_dim = model_config.head_dim
+        if self.backend_name == "flashinfer":  # kernels run at 64/128/256: pad the cache
+            from engine.attention.flashinfer_backend import kv_head_dim
+            self.kv_head_dim = kv_head_dim(model_config.head_dim)
+        num_pages = ps.min_over_ranks(self._num_kv_pages())
         attn0 = self.model.model.layers[0].self_attn
         self.kv_cache = KVCache(model_config.num_hidden_layers, num_pages, self.page_size,
-                                attn0.num_kv_heads, model_config.head_dim, self.dtype, self.device)
+                                attn0.num_kv_heads, self.kv_head_dim, self.dtype, self.device)
         self.allocator = TokenToKVPoolAllocator(num_pages, self.page_size)
+        # one extra row, reserved (all zeros = the dummy page) for CUDA-graph padding requests
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len,
-                                                self.device)
+                                                self.device, reserved=1)
+        self.padding_row = self.req_to_token_pool.size - 1
         self.attn_backend = self._make_backend()
+        self.graph_runner = None
+        if (self.backend_name == "flashinfer" and self.device.type == "cuda"
+                and not args.disable_cuda_graph):
+            from engine.runner.cuda_graph import CudaGraphRunner
+            max_bs = min(args.cuda_graph_max_bs or 256, self.max_running_requests)
+            self.graph_runner = CudaGraphRunner(self, max_bs, self.padding_row)
         logger.info("KV cache: %d tokens (%d pages of %d), %.1f MB", num_pages * self.page_size,
                     num_pages, self.page_size, self._kv_bytes(num_pages) / 2**20)
 
     def _kv_bytes(self, num_pages: int) -> int:
         attn0 = self.model.model.layers[0].self_attn
         per_token = KVCache.bytes_per_token(self.model_config.num_hidden_layers,
-                                            attn0.num_kv_heads, self.model_config.head_dim,
-                                            self.dtype)
+                                            attn0.num_kv_heads, self.kv_head_dim, self.dtype)
         return per_token * num_pages * self.page_size
 
     def _num_kv_pages(self) -> int:
@@ -75,17 +89,25 @@ class ModelRunner:
         if self.args.max_total_tokens:
             return max(1, self.args.max_total_tokens // self.page_size)
         if self.device.type == "cuda":
+            # SGLang's meaning: weights + KV take ``frac`` of the device; the rest is left for
+            # activations, CUDA graphs and the flashinfer workspace (256 MB + 8 MB per wrapper)
             free, total = torch.cuda.mem_get_info(self.device)
             frac = self.args.mem_fraction_static or 0.85
             budget = free - (1 - frac) * total
-            return max(1, int(budget // per_page))
+            if budget < per_page:
+                raise RuntimeError(
+                    f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
+                    f"{total / 2**30:.1f} GiB after loading weights, mem_fraction_static={frac}; "
+                    "raise --mem-fraction-static or use a smaller model")
+            return int(budget // per_page)
         frac = self.args.mem_fraction_static or 0.3
         pages = int(_available_host_bytes() * frac // per_page)
         return max(1, min(pages, CPU_DEFAULT_MAX_TOKENS // self.page_size))
 
     def _make_backend(self):
-        name = self.args.attention_backend or ("flashinfer" if self.device.type == "cuda"
-                                               else "torch")
+        name = self.backend_name
+        if name not in ("flashinfer", "torch"):
+            raise ValueError(f"unknown attention backend {name!r} (torch | flashinfer)")
         if name == "flashinfer":
             from engine.attention.flashinfer_backend import FlashInferBackend
             return FlashInferBackend(self)
@@ -94,6 +116,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> LogitsOutput:
+        """Next-token logits for ``batch``. A DECODE batch of at most ``cuda_graph_max_bs``
+        requests replays a CUDA graph (outputs are then views valid until the next forward);
+        everything else runs eagerly."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            logits, hidden = self.graph_runner.replay(batch)
+            return LogitsOutput(logits, hidden)
         self.attn_backend.init_forward_metadata(batch)
         logits, hidden = self.model(batch, self.attn_backend)
         return LogitsOutput(logits, hidden)

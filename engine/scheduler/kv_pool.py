@@ -12,12 +12,18 @@ import torch
 
 class ReqToTokenPool:
     """``req_to_token`` [size, max_context_len] int32: row r, column p = the KV slot of token p
-    of the request holding row r. Rows come from a free list."""
+    of the request holding row r. Rows come from a free list.
 
-    def __init__(self, size: int, max_context_len: int, device: torch.device):
+    The last ``reserved`` rows are never handed out: they stay all zeros (slot 0, the dummy
+    page), so padded dummy requests (CUDA-graph padding) can point at them.
+    """
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device,
+                 reserved: int = 0):
         self.size = size
+        self.num_usable = size - reserved
         self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int32, device=device)
-        self.free_rows = list(range(size))
+        self.free_rows = list(range(self.num_usable))
 
     def alloc(self) -> int | None:
         return self.free_rows.pop() if self.free_rows else None
@@ -26,7 +32,7 @@ class ReqToTokenPool:
         self.free_rows.append(row)
 
     def clear(self) -> None:
-        self.free_rows = list(range(self.size))
+        self.free_rows = list(range(self.num_usable))
 
 
 class TokenToKVPoolAllocator:

@@ -16,9 +16,13 @@ from engine.tokenizer import IncrementalDetokenizer, find_stop
 from engine.types import FinishReason, Req, SamplingParams
 
 
-def make_detokenizer(tokenizer, sp: SamplingParams) -> IncrementalDetokenizer:
+DETOK_CONTEXT_TOKENS = 5  # prompt tokens decoded with the output (SGLang's surrounding offset)
+
+
+def make_detokenizer(tokenizer, sp: SamplingParams, prompt: list[int]) -> IncrementalDetokenizer:
     return IncrementalDetokenizer(tokenizer, skip_special_tokens=sp.skip_special_tokens,
-                                  spaces_between_special_tokens=sp.spaces_between_special_tokens)
+                                  spaces_between_special_tokens=sp.spaces_between_special_tokens,
+                                  context_ids=prompt[-DETOK_CONTEXT_TOKENS:])
 
 
 def rejection(r: GenerateReqInput, message: str, weight_version: str) -> ReqOutput:
@@ -43,21 +47,24 @@ def append_token(req: Req, token: int, res: SampleOutput, row: int, eos_ids: tup
             vals = res.top_logprobs_val[row, :req.top_logprobs_num].tolist()
             idx = res.top_logprobs_idx[row, :req.top_logprobs_num].tolist()
             req.output_top_logprobs.append(list(zip(vals, idx)))
-    before = len(req.text)
-    req.text += req.detok.add([token])
     n_out = len(req.output_ids)
-    if n_out >= sp.min_new_tokens:
-        if (not sp.ignore_eos and token in eos_ids) or token in (sp.stop_token_ids or ()):
-            req.finish_reason = FinishReason("stop", matched=token)
+    before = len(req.text)
+    if n_out >= sp.min_new_tokens and (
+            (not sp.ignore_eos and token in eos_ids) or token in (sp.stop_token_ids or ())):
+        # SGLang trims a matched stop token from the text (kept in output_ids)
+        if sp.no_stop_trim:
+            req.text += req.detok.add([token])
+        req.finish_reason = FinishReason("stop", matched=token)
+        return True
+    req.text += req.detok.add([token])
+    stops = sp.stop_strs
+    if stops and n_out >= sp.min_new_tokens:
+        hit = find_stop(req.text, stops, before)
+        if hit is not None:
+            idx, matched = hit
+            req.text = req.text[:idx + (len(matched) if sp.no_stop_trim else 0)]
+            req.finish_reason = FinishReason("stop", matched=matched)
             return True
-        stops = sp.stop_strs
-        if stops:
-            hit = find_stop(req.text, stops, before)
-            if hit is not None:
-                idx, matched = hit
-                req.text = req.text[:idx + (len(matched) if sp.no_stop_trim else 0)]
-                req.finish_reason = FinishReason("stop", matched=matched)
-                return True
     if n_out >= sp.max_new_tokens or req.seq_len >= context_len:
         req.finish_reason = FinishReason("length", length=n_out)
         return True
@@ -94,8 +101,8 @@ def make_output(req: Req, weight_version: str, final: bool) -> ReqOutput:
     """The delta since the last output for ``req``; ``final`` flushes the detokenizer."""
     if final:
         fr = req.finish_reason
-        stopped_on_string = fr is not None and fr.type == "stop" and isinstance(fr.matched, str)
-        if req.detok is not None and not stopped_on_string:
+        on_stop_str = fr is not None and fr.type == "stop" and isinstance(fr.matched, str)
+        if req.detok is not None and not on_stop_str:
             req.text += req.detok.flush()
         req.weight_version = weight_version
     ids = req.output_ids[req.num_sent_ids:]

@@ -107,7 +107,8 @@ class RadixCache:
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` slots from unpinned leaves, LRU first, if possible.
         Returns the number freed."""
-        leaves = [(n.last_access, id(n), n) for n in self._all_nodes()
+        # ties broken by the leaf's first KV slot, not id(): TP ranks must evict identically
+        leaves = [(n.last_access, n.value[0], n) for n in self._all_nodes()
                   if not n.children and n.lock_ref == 0 and n is not self.root]
         heapq.heapify(leaves)
         freed = 0
@@ -119,7 +120,7 @@ class RadixCache:
             parent = leaf.parent
             del parent.children[self._child_key(leaf.key, 0)]
             if not parent.children and parent.lock_ref == 0 and parent is not self.root:
-                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+                heapq.heappush(leaves, (parent.last_access, parent.value[0], parent))
         return freed
 
     @property

@@ -71,7 +71,7 @@ class Scheduler:
         req = Req(r.rid, list(r.input_ids), sp, r.return_logprob, r.top_logprobs_num,
                   r.logprob_start_len, r.stream, r.log_metrics)
         sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - len(r.input_ids))
-        req.detok = output.make_detokenizer(self.tokenizer, sp)
+        req.detok = output.make_detokenizer(self.tokenizer, sp, req.origin_input_ids)
         self.waiting.append(req)
 
     def _validate(self, r: GenerateReqInput) -> None:

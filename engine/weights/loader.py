@@ -64,14 +64,21 @@ def iter_weights(model_path: str, load_format: str) -> Iterator[tuple[str, torch
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random weights (normal, std 0.02; norms 1) for speed runs without a checkpoint."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights (normal, std 0.02; norms 1) for speed runs without a checkpoint.
+
+    Drawn in place on each parameter's device (an 8B model fills in well under a second on a
+    GPU instead of minutes of CPU ``randn``); one generator per device, seeded with ``seed``.
+    """
+    gens: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            else:
-                p.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype))
+                continue
+            gen = gens.get(p.device)
+            if gen is None:
+                gen = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+            p.normal_(0.0, 0.02, generator=gen)
 
 
 def build_model(model_path: str, cfg: ModelConfig, load_format: str, ps: ParallelState,

@@ -91,8 +91,9 @@ def build_requests(service: GenerationService, body: GenerateRequest
 
 
 def _logprob_triples(service: GenerationService, pairs: list, with_text: bool) -> list:
-    return [[float(lp), int(tid), service.tokenizer.decode([tid]) if with_text else None]
-            for lp, tid in pairs]
+    # SGLang reports None as the logprob of the first prompt token (nothing predicts it)
+    return [[None if lp is None else float(lp), int(tid),
+             service.tokenizer.decode([tid]) if with_text else None] for lp, tid in pairs]
 
 
 def format_item(service: GenerationService, st: SeqState, req: GenerateReqInput,

@@ -1,0 +1,168 @@
+"""FlashInfer paged attention (GPU default): decode, extend over a cached prefix, custom masks,
+and the CUDA-graph hooks used by ``CudaGraphRunner``.
+
+KV layout: ``KVCache`` keeps per layer K and V as [num_slots, H_kv, D] with num_slots =
+(num_pages + 1) * page_size; viewed as flashinfer's NHD paged cache [num_pages + 1, page_size,
+H_kv, D] at no cost. A request's page table is ``req_to_token[row, 0:seq_len:page_size] //
+page_size``, gathered on the GPU (no host sync); indptr and last_page_len come from the
+ForwardBatch's ``*_cpu`` lists, so ``plan()`` needs no device-to-host copy.
+
+Kernels (flashinfer 0.6.18; shared/reference/flashinfer-facts.md sections 1-4, 8):
+- DECODE (one query per request, no mask): ``BatchDecodeWithPagedKVCacheWrapper`` with tensor
+  cores (the fa2 prefill kernels; any GQA group size).
+- EXTEND: K/V of the new tokens are written to their slots first, then one
+  ``BatchPrefillWithPagedKVCacheWrapper`` call over prefix + new tokens with ``causal=True``
+  (bottom-right aligned, so new tokens see the prefix and earlier new tokens), or with the
+  batch's bool ``custom_mask`` (tree verify). Pinned to ``backend="fa2"``: one JIT module per
+  head_dim serves decode, prefill and masks (fa3 rejects custom masks).
+- head_dim outside the kernels' set {64, 128, 256} (e.g. stories260K's 8) is zero-padded to the
+  next one: the KV cache is allocated with the padded width (``kv_head_dim``), q/k/v are padded,
+  scores are unchanged (zeros add nothing) and the output is cut back; sm_scale stays
+  1/sqrt(model head_dim).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.runner.forward_batch import ForwardBatch
+
+KERNEL_HEAD_DIMS = (64, 128, 256)
+WORKSPACE_BYTES = 256 * 2**20  # split-KV partials; shared by every wrapper (one stream)
+
+
+def kv_head_dim(head_dim: int) -> int:
+    """The head width the kernels run at (and the KV cache is allocated with)."""
+    for d in KERNEL_HEAD_DIMS:
+        if head_dim <= d:
+            return d
+    raise ValueError(f"flashinfer backend: head_dim {head_dim} > 256 is not supported")
+
+
+def page_table_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                       seq_lens: torch.Tensor, total_pages: int, page_size: int) -> torch.Tensor:
+    """Flattened page ids of a batch, on the device of ``req_to_token``, without a host sync.
+
+    ``req_pool_indices`` / ``seq_lens`` [B] int64 (device); ``total_pages`` = sum of
+    ceil(seq_len / page_size) (known on the host). Returns [total_pages] int32: for request b,
+    ``req_to_token[row_b, j * page_size] // page_size`` for j < ceil(seq_len_b / page_size).
+    """
+    pages = (seq_lens + page_size - 1) // page_size
+    ends = torch.cumsum(pages, 0)
+    i = torch.arange(total_pages, device=seq_lens.device)
+    b = torch.searchsorted(ends, i, right=True)
+    col = (i - (ends[b] - pages[b])) * page_size
+    slots = req_to_token[req_pool_indices[b], col]
+    return (slots // page_size).to(torch.int32) if page_size > 1 else slots.to(torch.int32)
+
+
+def host_page_meta(seq_lens: list[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv_indptr [B+1], last_page_len [B]) as CPU int32 tensors from host seq lens."""
+    pages = [-(-s // page_size) for s in seq_lens]
+    indptr = [0]
+    for n in pages:
+        indptr.append(indptr[-1] + n)
+    last = [s - (n - 1) * page_size for s, n in zip(seq_lens, pages)]
+    return (torch.tensor(indptr, dtype=torch.int32), torch.tensor(last, dtype=torch.int32))
+
+
+class FlashInferBackend:
+    """``runner``: a ModelRunner (uses ``kv_cache``, ``req_to_token_pool``, ``page_size``,
+    ``dtype``, ``device``, ``model_config`` and the first layer's head counts)."""
+
+    def __init__(self, runner):
+        import flashinfer
+        self.fi = flashinfer
+        attn0 = runner.model.model.layers[0].self_attn
+        self.num_qo_heads, self.num_kv_heads = attn0.num_heads, attn0.num_kv_heads
+        self.head_dim = runner.model_config.head_dim
+        self.kernel_head_dim = kv_head_dim(self.head_dim)
+        self.sm_scale = self.head_dim ** -0.5
+        self.kv = runner.kv_cache
+        self.req_to_token = runner.req_to_token_pool.req_to_token
+        self.page_size = runner.page_size
+        self.dtype, self.device = runner.dtype, runner.device
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=True)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2")
+        self.mask_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2")
+        self.graph_wrappers: dict = {}  # batch size -> graph-mode decode wrapper
+        self._cg_bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._active = None  # the wrapper planned for the current step
+
+    # ------------------------------------------------------------------ planning
+    def _common(self) -> dict:
+        return dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.sm_scale)
+
+    def _plan_decode(self, wrapper, batch: ForwardBatch) -> None:
+        indptr, last = host_page_meta(batch.seq_lens_cpu, self.page_size)
+        indices = page_table_indices(self.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                                     int(indptr[-1]), self.page_size)
+        wrapper.plan(indptr, indices, last, self.num_qo_heads, self.num_kv_heads,
+                     self.kernel_head_dim, self.page_size, **self._common())
+        self._active = wrapper
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Plan the step once (all layers reuse it). Host work + small async H2D copies only."""
+        if batch.custom_mask is None and max(batch.extend_seq_lens_cpu) == 1:
+            self._plan_decode(self.decode_wrapper, batch)
+            return
+        indptr, last = host_page_meta(batch.seq_lens_cpu, self.page_size)
+        indices = page_table_indices(self.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                                     int(indptr[-1]), self.page_size)
+        qo = [0]
+        for n in batch.extend_seq_lens_cpu:
+            qo.append(qo[-1] + n)
+        qo_indptr = torch.tensor(qo, dtype=torch.int32)
+        if batch.custom_mask is None:
+            wrapper, mask = self.prefill_wrapper, None
+        else:  # row-major [ext, seq] blocks flattened in batch order; True = attend
+            wrapper = self.mask_wrapper
+            mask = torch.cat([m.to(self.device, torch.bool).reshape(-1)
+                              for m in batch.custom_mask])
+        wrapper.plan(qo_indptr, indptr, indices, last, self.num_qo_heads, self.num_kv_heads,
+                     self.kernel_head_dim, self.page_size, custom_mask=mask,
+                     causal=mask is None, **self._common())
+        self._active = wrapper
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def init_cuda_graph_state(self, max_bs: int, max_num_pages: int) -> None:
+        """Fixed int32 buffers shared (as slices) by the per-batch-size graph wrappers."""
+        self._cg_bufs = (torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
+                         torch.zeros(max_num_pages, dtype=torch.int32, device=self.device),
+                         torch.ones(max_bs, dtype=torch.int32, device=self.device))
+
+    def init_forward_metadata_cuda_graph(self, batch: ForwardBatch) -> None:
+        """Plan a (padded) DECODE batch on the graph wrapper of its batch size, creating the
+        wrapper at capture time. Call before capture and before every replay."""
+        bs = batch.batch_size
+        wrapper = self.graph_wrappers.get(bs)
+        if wrapper is None:
+            indptr, indices, last = self._cg_bufs
+            wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                paged_kv_indptr_buffer=indptr[:bs + 1], paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last[:bs])
+            self.graph_wrappers[bs] = wrapper
+        self._plan_decode(wrapper, batch)
+
+    # ------------------------------------------------------------------ run
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch, scale: float) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (dtype of the cache) -> [T, Hq * D]. ``scale`` must be
+        1/sqrt(D) (planned once per step as sm_scale)."""
+        d, dk = self.head_dim, self.kernel_head_dim
+        if dk != d:
+            q, k, v = (F.pad(x, (0, dk - d)) for x in (q, k, v))
+        k_buf, v_buf = self.kv.k_buffers[layer_id], self.kv.v_buffers[layer_id]
+        k_buf[batch.out_cache_loc] = k
+        v_buf[batch.out_cache_loc] = v
+        shape = (-1, self.page_size, self.num_kv_heads, dk)
+        o = self._active.run(q.contiguous(), (k_buf.view(shape), v_buf.view(shape)))
+        if dk != d:
+            o = o[..., :d]
+        return o.reshape(q.shape[0], self.num_qo_heads * d)
