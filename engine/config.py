@@ -19,7 +19,7 @@ class EngineArgs:
     (on CPU: of available RAM, capped at ``context_length * max_running_requests``).
     """
 
-    model_path: str
+    model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     tokenizer_path: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"

@@ -43,17 +43,27 @@ from engine.scheduler.scheduler import Scheduler
 logger = logging.getLogger("engine.worker")
 
 # Scheduler methods a ControlReq may call; each returns (success, message) or data.
-CONTROL_METHODS = frozenset({"flush_cache", "get_internal_state"})
+CONTROL_METHODS = frozenset({"flush_cache", "get_internal_state", "pause_generation",
+                             "continue_generation"})
+# engine.weights.updater.WeightUpdater methods (``scheduler.weights``); the writers among them
+# wait for in-flight requests unless paused, while newly arrived requests are held
+WEIGHT_METHODS = frozenset({"update_weights_from_tensor", "update_weights_from_disk",
+                            "update_weights_from_distributed", "init_weights_update_group",
+                            "destroy_weights_update_group", "get_weights_by_name",
+                            "update_weight_version"})
+WEIGHT_WRITERS = frozenset({"update_weights_from_tensor", "update_weights_from_disk",
+                            "update_weights_from_distributed"})
 IDLE_POLL_MS = 200  # how long an idle rank 0 waits for input before the next (empty) round
 STATS_KEYS = ("num_running_reqs", "num_waiting_reqs", "kv_used_tokens", "kv_total_tokens",
               "cache_hit_tokens", "prompt_tokens")
 
 
 def handle_control(scheduler: Scheduler, req: ControlReq) -> ControlResp:
-    if req.method not in CONTROL_METHODS:
+    if req.method not in CONTROL_METHODS | WEIGHT_METHODS:
         return ControlResp(req.req_id, False, f"unknown control method {req.method!r}")
     try:
-        result = getattr(scheduler, req.method)(**req.kwargs)
+        target = scheduler.weights if req.method in WEIGHT_METHODS else scheduler
+        result = getattr(target, req.method)(**req.kwargs)
     except Exception as e:  # a failed control call must not kill the engine
         logger.exception("control %s failed", req.method)
         return ControlResp(req.req_id, False, f"{type(e).__name__}: {e}")
@@ -68,7 +78,7 @@ def merge_control(resps: list[ControlResp]) -> ControlResp:
     ``data`` from rank 0 (the schedulers are identical)."""
     messages = list(dict.fromkeys(r.message for r in resps if r.message))
     return ControlResp(resps[0].req_id, all(r.success for r in resps), " | ".join(messages),
-                       resps[0].data)
+                       next((r.data for r in resps if r.data is not None), None))
 
 
 class ApiIO:
@@ -139,10 +149,11 @@ def serve(scheduler: Scheduler, ps: ParallelState, io: ApiIO | None, parent_pid:
           before_stop: Callable[[], None] | None = None) -> None:
     """The loop, on every rank. Returns when rank 0's parent (the API process) is gone and
     the engine is idle; rank 0 calls ``before_stop`` first (so exiting peers are expected)."""
+    deferred: list[ControlReq] = []  # weight updates waiting for in-flight requests
     while True:
         msgs, stop = [], False
         if io is not None:
-            msgs = io.recv_all(0 if scheduler.busy else IDLE_POLL_MS)
+            msgs = io.recv_all(0 if scheduler.busy and not scheduler.paused else IDLE_POLL_MS)
             stop = not msgs and not scheduler.busy and os.getppid() != parent_pid
             if stop:
                 logger.info("parent process gone; exiting")
@@ -157,10 +168,18 @@ def serve(scheduler: Scheduler, ps: ParallelState, io: ApiIO | None, parent_pid:
                 scheduler.add_request(msg)
             elif isinstance(msg, AbortReq):
                 scheduler.abort(msg)
+            elif isinstance(msg, ControlReq) and msg.method in WEIGHT_WRITERS and (
+                    deferred or not scheduler.can_update_weights):
+                deferred.append(msg)  # runs once in-flight requests are done (or paused)
+                scheduler.hold_new = True
             elif isinstance(msg, ControlReq):
                 resps.append(handle_control(scheduler, msg))
             else:
                 logger.warning("ignoring unknown message %r", type(msg).__name__)
+        while deferred and scheduler.can_update_weights:
+            resps.append(handle_control(scheduler, deferred.pop(0)))
+        if not deferred and scheduler.hold_new:
+            scheduler.release_held()
         if resps:
             per_rank = ps.gather_objects(resps)
             if io is not None:

@@ -157,7 +157,7 @@ class APIKeyMiddleware:
 def create_app(args: ServerArgs, client: EngineClient,
                request_shutdown: Callable[[int], None] = lambda code: None) -> FastAPI:
     """Build the app around an ``EngineClient`` whose engine process is already starting."""
-    from server.routes import admin, generate, health, metrics as metrics_routes, openai
+    from server.routes import admin, generate, health, metrics as metrics_routes, openai, weights
 
     state = ServerState(args=args, client=client, metrics=ServerMetrics(args.model_name),
                         request_shutdown=request_shutdown)
@@ -177,7 +177,7 @@ def create_app(args: ServerArgs, client: EngineClient,
     app = FastAPI(title="Eyrie", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.eyrie = state
     install_error_handlers(app)
-    for module in (generate, openai, admin, health, metrics_routes):
+    for module in (generate, openai, admin, health, metrics_routes, weights):
         app.include_router(module.router)
     if args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)

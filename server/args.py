@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--disable-radix-cache", action="store_true")
     add("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     add("--tp-size", "--tp", dest="tp_size", type=int, default=1)
+    add("--nnodes", type=int, default=1, help="nodes the TP ranks are spread over")
+    add("--node-rank", type=int, default=0, help="this node's index in [0, nnodes)")
+    add("--dist-init-addr", default=None,
+        help="host:port of TP rank 0's torch.distributed store (default: a free local port)")
     add("--attention-backend", default=None, choices=["torch", "flashinfer"])
     add("--served-model-name", default=None)
     add("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
@@ -108,6 +112,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         load_format=ns.load_format,
         random_seed=ns.random_seed,
         tp_size=ns.tp_size,
+        nnodes=ns.nnodes,
+        node_rank=ns.node_rank,
+        dist_init_addr=ns.dist_init_addr,
         attention_backend=ns.attention_backend,
         weight_version=ns.weight_version,
         skip_warmup=ns.skip_server_warmup,

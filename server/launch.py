@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import uvicorn
 
-from server.app import create_app
+from server.app import ServerStatus, create_app
 from server.args import ServerArgs
 from server.engine_client import EngineClient
 
@@ -72,6 +72,19 @@ def stop_process(proc: Any, timeout: float = 5.0) -> None:
         proc.join(timeout)
 
 
+class _Server(uvicorn.Server):
+    """uvicorn server that reports the start of a shutdown (SIGINT/SIGTERM) at once, so
+    ``/health_generate`` turns 503 before in-flight requests have drained."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]):
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self._on_exit()
+        super().handle_exit(sig, frame)
+
+
 def default_engine_target() -> Callable[..., Any]:
     from engine.worker import run_engine
 
@@ -112,8 +125,17 @@ def run_server(args: ServerArgs, engine_target: Callable[..., Any] | None = None
 
         app = create_app(args, client, request_shutdown)
         config = uvicorn.Config(app, loop="uvloop", timeout_keep_alive=5, log_config=None,
-                                log_level=args.log_level, access_log=False, lifespan="on")
-        server = uvicorn.Server(config)
+                                log_level=args.log_level, access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=5)
+        state = app.state.eyrie
+
+        def on_exit() -> None:
+            # probes answer 503 from now on; running requests end (finish reason abort) so
+            # streams close cleanly instead of being cut at the graceful-shutdown timeout
+            state.status = ServerStatus.SHUTTING_DOWN
+            client.abort(abort_all=True)
+
+        server = _Server(config, on_exit=on_exit)
         logger.info("HTTP server listening on http://%s:%d (starting up)", args.host,
                     args.port)
         server.run(sockets=[sock])
@@ -123,6 +145,10 @@ def run_server(args: ServerArgs, engine_target: Callable[..., Any] | None = None
         shutil.rmtree(ipc_dir, ignore_errors=True)
         logger.info("server stopped")
     return exit_code[0]
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # SIGTERM should run the same clean shutdown as Ctrl-C (uvicorn installs both handlers
     # while serving; this covers the short window before it does).
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         return run_server(args)
     except KeyboardInterrupt:

@@ -1,15 +1,23 @@
-"""Test helper: drive ``engine.worker.run_engine`` in a spawned process over ZMQ, the way the
-API process does (it binds both sockets; the engine connects), without the HTTP server.
+"""Test helpers for tensor parallelism (kept free of ``transformers`` imports: spawned ranks
+import this module, and on a 2-core CI box every second of import counts).
 
-    with EngineProcess(EngineArgs(model_path=..., tp_size=2)) as eng:
-        eng.generate([1, 2, 3], max_new_tokens=8)   # -> output token ids
+* ``EngineProcess``: drive ``engine.worker.run_engine`` in a spawned process over ZMQ, the way
+  the API process does (it binds both sockets; the engine connects), without the HTTP server.
+
+      with EngineProcess(EngineArgs(model_path=..., tp_size=2)) as eng:
+          eng.generate([[1, 2, 3]], max_new_tokens=8)   # -> output token ids per prompt
+
+* ``run_tp_ranks``: spawn ``tp`` ranks that each run the real per-rank start-up path and step
+  their schedulers in lockstep over several models; returns every rank's tokens.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 import shutil
+import socket
 import tempfile
 import time
 from typing import Any
@@ -17,10 +25,12 @@ from typing import Any
 import zmq
 
 from engine.config import EngineArgs
+from engine.distributed import launch
+from engine.distributed.parallel_state import ParallelState
 from engine.io_struct import (BatchOutput, ControlReq, ControlResp, GenerateReqInput, ReadyMsg,
                               StartupError)
 from engine.types import SamplingParams
-from engine.worker import run_engine
+from engine.worker import run_engine, start_scheduler
 
 STARTUP_TIMEOUT_S = 120.0
 
@@ -135,4 +145,68 @@ class EngineProcess:
         self.close()
 
 
-__all__ = ["EngineProcess", "StartupError", "child_pids", "pid_alive"]
+def generate_on_rank(args: EngineArgs, ps: ParallelState, prompts: list[list[int]],
+                     max_new_tokens: int) -> list[list[int]]:
+    """Greedy outputs of ``prompts`` (one batch), then one sampled continuation (temperature 1,
+    top_k 20, unseeded: its draws come from the sampler seed that rank 0 shares)."""
+    sched = start_scheduler(args, ps, None)
+    jobs = [(f"g{i}", p, {"temperature": 0}) for i, p in enumerate(prompts)]
+    jobs.append(("s", prompts[0], {"temperature": 1.0, "top_k": 20}))
+    out: dict[str, list[int]] = {}
+    for rid, ids, sp in jobs:
+        params = SamplingParams.from_dict({"max_new_tokens": max_new_tokens, "ignore_eos": True,
+                                           **sp})
+        sched.add_request(GenerateReqInput(rid, list(ids), params))
+        out[rid] = []
+    while sched.busy:
+        for o in sched.step():
+            out[o.rid] += o.new_output_ids
+    return [out[rid] for rid, _, _ in jobs]
+
+
+def _rank_main(rank: int, jobs: list[tuple[EngineArgs, list[list[int]], int]], addr: str,
+               results: Any, parent: int) -> None:
+    tp = jobs[0][0].tp_size
+    launch.die_with_parent(parent)
+    launch.limit_threads(tp)
+    store, _ = launch.create_store(addr, rank, tp)
+    ps = launch.init_parallel_state(store, rank, tp, "cpu")
+    for i, (args, prompts, n) in enumerate(jobs):
+        results.put((rank, i, generate_on_rank(args, ps, prompts, n)))
+    ps.barrier()
+
+
+def run_tp_ranks(jobs: list[tuple[EngineArgs, list[list[int]], int]],
+                 timeout: float = 90.0) -> list[list[list[list[int]]]]:
+    """Run each job ``(args, prompts, max_new_tokens)`` on ``args.tp_size`` spawned CPU ranks
+    (all jobs share one tp size). Returns ``out[rank][job]`` = outputs per prompt (+ the
+    sampled one). Raises AssertionError naming the exit codes when the ranks stall."""
+    tp = jobs[0][0].tp_size
+    with socket.socket() as s:  # a port that was free a moment ago; rank 0 listens on it
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, jobs, addr, results, os.getpid()),
+                         daemon=True) for r in range(tp)]
+    for p in procs:
+        p.start()
+    out: list[list[Any]] = [[None] * len(jobs) for _ in range(tp)]
+    try:
+        for _ in range(tp * len(jobs)):
+            try:
+                rank, i, toks = results.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"tp={tp} ranks stalled; exit codes "
+                                     f"{[p.exitcode for p in procs]}") from None
+            out[rank][i] = toks
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+__all__ = ["EngineProcess", "StartupError", "child_pids", "pid_alive", "run_tp_ranks",
+           "generate_on_rank"]

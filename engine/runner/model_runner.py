@@ -50,13 +50,13 @@ class ModelRunner:
         self.page_size = args.page_size
         self.max_running_requests = args.max_running_requests or (
             256 if self.device.type == "cuda" else 128)
-        # every TP rank must see the same capacity or their schedulers drift apart
         self.backend_name = args.attention_backend or (
             "flashinfer" if self.device.type == "cuda" else "torch")
         self.kv_head_dim = model_config.head_dim
         if self.backend_name == "flashinfer":  # kernels run at 64/128/256: pad the cache
             from engine.attention.flashinfer_backend import kv_head_dim
             self.kv_head_dim = kv_head_dim(model_config.head_dim)
+        # every TP rank must see the same capacity or their schedulers drift apart
         num_pages = ps.min_over_ranks(self._num_kv_pages())
         attn0 = self.model.model.layers[0].self_attn
         self.kv_cache = KVCache(model_config.num_hidden_layers, num_pages, self.page_size,
@@ -67,14 +67,14 @@ class ModelRunner:
                                                 self.device, reserved=1)
         self.padding_row = self.req_to_token_pool.size - 1
         self.attn_backend = self._make_backend()
+        logger.info("KV cache: %d tokens (%d pages of %d), %.1f MB", num_pages * self.page_size,
+                    num_pages, self.page_size, self._kv_bytes(num_pages) / 2**20)
         self.graph_runner = None
         if (self.backend_name == "flashinfer" and self.device.type == "cuda"
                 and not args.disable_cuda_graph):
             from engine.runner.cuda_graph import CudaGraphRunner
             max_bs = min(args.cuda_graph_max_bs or 256, self.max_running_requests)
             self.graph_runner = CudaGraphRunner(self, max_bs, self.padding_row)
-        logger.info("KV cache: %d tokens (%d pages of %d), %.1f MB", num_pages * self.page_size,
-                    num_pages, self.page_size, self._kv_bytes(num_pages) / 2**20)
 
     def _kv_bytes(self, num_pages: int) -> int:
         attn0 = self.model.model.layers[0].self_attn
@@ -119,9 +119,28 @@ class ModelRunner:
         """Next-token logits for ``batch``. A DECODE batch of at most ``cuda_graph_max_bs``
         requests replays a CUDA graph (outputs are then views valid until the next forward);
         everything else runs eagerly."""
+        self._write_req_to_token(batch)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             logits, hidden = self.graph_runner.replay(batch)
             return LogitsOutput(logits, hidden)
         self.attn_backend.init_forward_metadata(batch)
         logits, hidden = self.model(batch, self.attn_backend)
         return LogitsOutput(logits, hidden)
+
+    def _write_req_to_token(self, batch: ForwardBatch) -> None:
+        """``req_to_token[row_b, prefix_b + i] = out_cache_loc`` for every new token i of every
+        request b, on the device (no host sync): the scheduler allocates slots on the host and
+        ships them once, in ``out_cache_loc``. Columns follow KV order, not RoPE positions
+        (tree verify places nodes at prefix + depth)."""
+        if batch.num_tokens == 0:
+            return
+        if batch.num_tokens == batch.batch_size:  # one token per request (decode)
+            rows, cols = batch.req_pool_indices, batch.extend_prefix_lens
+        else:
+            t = batch.num_tokens
+            b = torch.repeat_interleave(torch.arange(batch.batch_size, device=self.device),
+                                        batch.extend_seq_lens, output_size=t)
+            starts = torch.cumsum(batch.extend_seq_lens, 0) - batch.extend_seq_lens
+            rows = batch.req_pool_indices[b]
+            cols = torch.arange(t, device=self.device) - starts[b] + batch.extend_prefix_lens[b]
+        self.req_to_token_pool.req_to_token[rows, cols] = batch.out_cache_loc.to(torch.int32)

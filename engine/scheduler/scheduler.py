@@ -24,6 +24,7 @@ from engine.runner.sampler import Sampler, SamplingBatchInfo
 from engine.scheduler import output
 from engine.scheduler.prefix_cache import RadixCache
 from engine.types import FinishReason, ForwardMode, InvalidRequestError, Req, ReqStatus
+from engine.weights.updater import WeightUpdater
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +55,16 @@ class Scheduler:
         self.running: list[Req] = []
         self.pending: list[ReqOutput] = []  # rejections and aborts to send with the next step
         self.health_pending = False  # a probe arrived while busy: the next step answers it
+        self.paused = False  # pause_generation: no forward steps until continue_generation
+        self.hold_new = False  # a weight update waits for in-flight requests; new ones wait in
+        self.held: deque[Req] = deque()  # ``held`` (reader/writer lock, writer first)
+        self.weights = WeightUpdater(self)  # weight-update control methods
         self.stats = {"prompt_tokens": 0, "cache_hit_tokens": 0, "generation_tokens": 0}
 
     # ---------------------------------------------------------------- inputs
     def add_request(self, r: GenerateReqInput) -> None:
         """Queue a request, or answer it at once with an error naming the bad field."""
-        if r.rid.startswith(HEALTH_CHECK_PREFIX) and self.busy:
+        if r.rid.startswith(HEALTH_CHECK_PREFIX) and (self.busy or self.paused):
             self.health_pending = True  # a busy engine answers from steps it runs anyway
             return
         try:
@@ -72,7 +77,7 @@ class Scheduler:
                   r.logprob_start_len, r.stream, r.log_metrics)
         sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - len(r.input_ids))
         req.detok = output.make_detokenizer(self.tokenizer, sp, req.origin_input_ids)
-        self.waiting.append(req)
+        (self.held if self.hold_new else self.waiting).append(req)
 
     def _validate(self, r: GenerateReqInput) -> None:
         if not r.input_ids:
@@ -93,8 +98,8 @@ class Scheduler:
         def hit(req):
             return a.abort_all or (a.rid and req.rid.startswith(a.rid))
 
-        for req in [q for q in self.waiting if hit(q)]:
-            self.waiting.remove(req)
+        for queue, req in [(qu, q) for qu in (self.waiting, self.held) for q in qu if hit(q)]:
+            queue.remove(req)
             self._release(req)
             req.finish_reason = FinishReason("abort", message="Abort in waiting queue")
             self.pending.append(output.make_output(req, self.weight_version, final=True))
@@ -115,6 +120,8 @@ class Scheduler:
             req.finish_reason = req.to_abort
             self._release(req)
             outs.append(output.make_output(req, self.weight_version, final=True))
+        if self.paused:
+            return outs
         reqs, ext_lens, mode = self._schedule()
         if reqs:
             outs.extend(self._run(reqs, ext_lens, mode))
@@ -188,8 +195,8 @@ class Scheduler:
         if slots is None:
             return False
         req.kv_slots[seq:] = slots
-        self.req_pool.req_to_token[req.req_pool_idx, seq:seq + n] = torch.tensor(
-            slots, dtype=torch.int32)
+        # req_to_token[row, seq:seq + n] is written on the device by ModelRunner.forward from
+        # the batch's out_cache_loc (one kernel per step instead of one H2D copy per request)
         return True
 
     def _alloc_extend(self, req: Req, budget: int) -> int:
@@ -301,6 +308,35 @@ class Scheduler:
         return outs
 
     # ---------------------------------------------------------------- control
+    def pause_generation(self, mode: str = "abort") -> tuple[bool, str]:
+        """Stop forward steps (sglang-facts.md 1.5): ``abort`` aborts every request,
+        ``retract`` moves running requests back to waiting (KV to the prefix cache, recomputed
+        after continue), ``in_place`` keeps them and their KV."""
+        if mode not in ("abort", "retract", "in_place"):
+            return False, f"mode must be abort, retract or in_place, got {mode!r}"
+        if mode == "abort":
+            self.abort(AbortReq(abort_all=True))
+        elif mode == "retract":
+            for req in reversed([q for q in self.running if q.to_abort is None]):
+                self._retract(req)
+        self.paused = True
+        return True, "Generation paused successfully."
+
+    def continue_generation(self) -> tuple[bool, str]:
+        self.paused = False
+        return True, "Generation continued successfully."
+
+    @property
+    def can_update_weights(self) -> bool:
+        """A weight update may run now: paused, or no request in flight."""
+        return self.paused or not (self.running or self.waiting)
+
+    def release_held(self) -> None:
+        """End of a weight-update wait: requests that arrived meanwhile may run."""
+        self.hold_new = False
+        self.waiting.extend(self.held)
+        self.held.clear()
+
     def flush_cache(self) -> tuple[bool, str]:
         if self.busy:
             return False, "Cache not flushed: there are running or waiting requests."

@@ -1,0 +1,181 @@
+"""One-batch latency (like ``sglang.bench_one_batch``): a static batch of ``bs`` requests,
+prefill (input_len tokens each) then greedy decode steps, driven through the real Scheduler and
+ModelRunner (flashinfer + CUDA graphs) on a Llama-3.1-8B-shaped model with random bf16 weights.
+
+Printed beside each decode figure: the floor = (weight bytes + KV bytes read per step) / the
+device-to-device copy bandwidth measured in the same run (bytes read + written), and HF
+transformers ``generate()`` on the same weights.
+
+    python bench/one_batch.py --batch-sizes 1 8 32 128 --input-len 128 --output-len 128 \
+        --hf-batch-sizes 1 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+from engine.config import EngineArgs, ModelConfig
+from engine.distributed.parallel_state import ParallelState
+from engine.io_struct import GenerateReqInput
+from engine.runner.model_runner import ModelRunner
+from engine.scheduler.scheduler import Scheduler
+from engine.types import SamplingParams
+
+LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            "bos_token_id": 128000, "eos_token_id": 128001}
+
+
+class NullTokenizer:
+    """Enough of a tokenizer for the scheduler's detokenizer: every token decodes to ''."""
+    all_special_ids: list[int] = []
+
+    def decode(self, ids, **kw) -> str:
+        return ""
+
+    def convert_ids_to_tokens(self, tid) -> str:
+        return ""
+
+
+def copy_bandwidth(device, nbytes: int = 2 * 2**30, iters: int = 20) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * nbytes * iters / (start.elapsed_time(end) / 1e3)
+
+
+def run_batch(sched: Scheduler, bs: int, input_len: int, output_len: int, seed: int):
+    """Returns (prefill seconds, per-decode-step seconds list)."""
+    g = torch.Generator().manual_seed(seed)
+    for i in range(bs):
+        ids = torch.randint(0, 128000, (input_len,), generator=g).tolist()
+        sp = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+        sched.add_request(GenerateReqInput(f"b{bs}-{i}", ids, sp, log_metrics=False))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while any(not r.output_ids for r in sched.running) or sched.waiting:
+        sched.step()
+    prefill = time.perf_counter() - t0
+    steps = []
+    while sched.busy:
+        t = time.perf_counter()
+        sched.step()  # ends with the one host sync (next-token ids to the host)
+        steps.append(time.perf_counter() - t)
+    return prefill, steps
+
+
+def graph_replay_ms(runner, bs: int, iters: int = 50) -> float:
+    """GPU time of one replay of the captured decode graph for ``bs`` (dummy rows, kv_len 1):
+    the forward alone, without the scheduler, planning and sampling around it."""
+    graph = runner.graph_runner.graphs[bs]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def hf_decode_ms(hf, bs: int, input_len: int, n: int) -> float:
+    """HF generate() greedy: (time(n new tokens) - time(1 new token)) / (n - 1), in ms."""
+    ids = torch.randint(0, 128000, (bs, input_len), device="cuda")
+
+    def gen(k):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        hf.generate(ids, max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    gen(2)
+    return (gen(n) - gen(1)) / (n - 1) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--hf-batch-sizes", type=int, nargs="*", default=[1, 32])
+    ap.add_argument("--hf-output-len", type=int, default=32)
+    a = ap.parse_args()
+    max_bs = max(a.batch_sizes)
+    ctx = a.input_len + a.output_len + 8
+    d = tempfile.mkdtemp()
+    with open(f"{d}/config.json", "w") as f:
+        json.dump(LLAMA_8B, f)
+    eargs = EngineArgs(model_path=d, device="cuda", load_format="dummy", context_length=ctx,
+                       max_total_tokens=max_bs * ctx, max_running_requests=max_bs,
+                       cuda_graph_max_bs=max_bs, disable_radix_cache=True,
+                       max_prefill_tokens=max_bs * a.input_len)
+    mc = ModelConfig.from_path(d)
+    t0 = time.perf_counter()
+    runner = ModelRunner(eargs, d, mc, ParallelState())
+    print(f"model + KV + graphs ready in {time.perf_counter() - t0:.1f} s "
+          f"(graph capture {runner.graph_runner.capture_seconds:.1f} s, "
+          f"{len(runner.graph_runner.buckets)} sizes)", flush=True)
+    sched = Scheduler(eargs, runner, NullTokenizer(), mc)
+
+    hf = None
+    if a.hf_batch_sizes:
+        from transformers import AutoModelForCausalLM, LlamaConfig
+        cfg = {k: v for k, v in LLAMA_8B.items() if k != "architectures"}
+        with torch.device("cuda"):
+            hf = AutoModelForCausalLM.from_config(LlamaConfig(**cfg), dtype=torch.bfloat16)
+        hf.eval().generation_config.eos_token_id = None
+        runner.model.load_weights((n, p.data) for n, p in hf.named_parameters())  # same weights
+
+    bw = copy_bandwidth(runner.device)
+    w_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv_tok = runner._kv_bytes(1) // runner.page_size
+    run_batch(sched, max_bs, a.input_len, 4, seed=99)  # warm-up (prefill shapes, sampler)
+    rows = []
+    for bs in a.batch_sizes:
+        prefill, steps = run_batch(sched, bs, a.input_len, a.output_len, seed=bs)
+        ms = statistics.median(steps) * 1e3
+        mean_ms = statistics.mean(steps) * 1e3
+        kv_read = bs * (a.input_len + a.output_len / 2) * kv_tok
+        floor = (w_bytes + kv_read) / bw * 1e3
+        replay = graph_replay_ms(runner, bs) if bs in runner.graph_runner.graphs else float("nan")
+        rows.append((bs, prefill * 1e3, ms, mean_ms, bs / ms * 1e3, floor, floor / ms, replay))
+    hf_ms = {}
+    if hf is not None:
+        with torch.inference_mode():
+            for bs in a.hf_batch_sizes:
+                hf_ms[bs] = hf_decode_ms(hf, bs, a.input_len, a.hf_output_len)
+    dev = torch.cuda.get_device_name()
+    print(f"\n{dev}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s (read+write),"
+          f" weights {w_bytes / 1e9:.2f} GB, KV {kv_tok} B/token; input {a.input_len}, "
+          f"output {a.output_len}\n")
+    print("| batch | prefill ms | decode ms/step (median) | mean | tok/s | floor ms/step | "
+          "% of floor | graph replay ms | HF generate ms/step | HF tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for bs, pre, ms, mean_ms, tps, floor, frac, replay in rows:
+        h = hf_ms.get(bs)
+        hf_cols = f"{h:.1f} | {bs / h * 1e3:.0f}" if h else "- | -"
+        print(f"| {bs} | {pre:.1f} | {ms:.2f} | {mean_ms:.2f} | {tps:.0f} | {floor:.2f} | "
+              f"{frac * 100:.0f}% | {replay:.2f} | {hf_cols} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,341 @@
+"""``WeightUpdater``: the engine side of the RL weight-update endpoints, one per TP rank.
+
+Every control method runs on every rank between scheduler steps (the worker broadcasts control
+requests to all ranks and merges the answers). Each update is two-phase so that a bad payload
+changes nothing: (1) this rank opens its own entry and checks every name, shape and dtype
+against the model without touching a parameter; (2) the ranks agree over the CPU group (MIN of
+"ok") and only then copy. Payloads are indexed by the **deployment** ``tp_rank`` read from
+``ParallelState`` at update time, never an attention-TP rank (sglang-facts.md section 2.7);
+which shard a parameter keeps is its own ``weight_loader``'s business.
+
+Load formats (sglang-facts.md section 2.3): None = full HF-named tensors through each param's
+``weight_loader``; "direct" = our parameter names with this rank's shard shape, copied as is;
+"flattened_bucket" = one ``FlattenedTensorBucket`` per rank, then as None.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.weights import serialization as ser
+from engine.weights.loader import iter_weights, load_model_config, resolve_model_path
+from engine.weights.update_group import UpdateGroup, join_update_group
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = (None, "direct", "flattened_bucket")
+# ModelConfig fields a checkpoint must share with the served model to be swapped in place
+SAME_CONFIG_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size",
+                      "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                      "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+                      "tie_word_embeddings", "attention_bias", "qk_norm")
+
+
+def hf_shape(name: str, cfg) -> tuple[int, ...] | None:
+    """The full (unsharded) HF shape of Llama/Qwen2/Qwen3 weight ``name``, or None if unknown."""
+    h, d, v, inter = cfg.hidden_size, cfg.head_dim, cfg.vocab_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    table = (("embed_tokens.weight", (v, h)), ("lm_head.weight", (v, h)),
+             ("q_proj.weight", (q, h)), ("q_proj.bias", (q,)), ("k_proj.weight", (kv, h)),
+             ("k_proj.bias", (kv,)), ("v_proj.weight", (kv, h)), ("v_proj.bias", (kv,)),
+             ("o_proj.weight", (h, q)), ("gate_proj.weight", (inter, h)),
+             ("up_proj.weight", (inter, h)), ("down_proj.weight", (h, inter)),
+             ("q_norm.weight", (d,)), ("k_norm.weight", (d,)), ("norm.weight", (h,)))
+    for suffix, shape in table:
+        if name == suffix or name.endswith("." + suffix):
+            return shape
+    return None
+
+
+def _err(e: Exception) -> str:
+    return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+
+
+class WeightUpdater:
+    """Owned by the ``Scheduler`` (``scheduler.weights``); reads the model, device and
+    ``ParallelState`` through ``scheduler.runner``. Public methods are control methods: they
+    return ``(success, message)`` or plain data and never raise for a bad request."""
+
+    def __init__(self, scheduler: Any):
+        self.scheduler = scheduler
+        self.model_path = resolve_model_path(scheduler.args.model_path)
+        self.groups: dict[str, UpdateGroup] = {}
+
+    @property
+    def runner(self):
+        return self.scheduler.runner
+
+    @property
+    def ps(self):
+        return self.runner.ps
+
+    # ------------------------------------------------------------------ control methods
+    def update_weights_from_tensor(self, serialized_named_tensors: list, load_format=None,
+                                   flush_cache: bool = True, weight_version: str | None = None):
+        """Open entry ``[ps.tp_rank]`` of ``serialized_named_tensors`` (bytes or base64, one per
+        deployment TP rank), check it, agree, copy. Returns (success, message)."""
+        plan, err = None, None
+        try:
+            plan = self._plan(self._open_entry(serialized_named_tensors, load_format),
+                              load_format)
+        except Exception as e:
+            err = _err(e)
+        return self._commit(plan, err, flush_cache, weight_version)
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                 flush_cache: bool = True, weight_version: str | None = None):
+        """Swap in the checkpoint at ``model_path`` (same architecture and shapes). Every
+        tensor is read and checked before any is copied; if copying still fails the old
+        checkpoint is reloaded. Returns (success, message)."""
+        fmt = load_format or self.scheduler.args.load_format
+        fmt = "auto" if fmt in (None, "dummy") else fmt
+        plan, err = None, None
+        try:
+            new_cfg, cur = load_model_config(model_path), self.scheduler.model_config
+            for f in SAME_CONFIG_FIELDS:
+                if getattr(new_cfg, f) != getattr(cur, f):
+                    raise ValueError(f"config.{f} is {getattr(new_cfg, f)!r}, the served model "
+                                     f"has {getattr(cur, f)!r}")
+            plan = self._plan(list(iter_weights(model_path, fmt)), None, require_all=True)
+        except Exception as e:
+            err = f"{type(e).__name__}: {_err(e)}" if isinstance(e, OSError) else _err(e)
+        ok, msg = self._commit(plan, err, flush_cache, weight_version, rollback_path=self.model_path)
+        if ok:
+            self.model_path = model_path
+        return ok, msg
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "nccl"):
+        """Join the trainer's group as rank ``rank_offset + ps.tp_rank`` (blocks until every
+        member joined). Returns (success, message)."""
+        if group_name in self.groups:
+            return False, f"weight update group {group_name!r} already exists"
+        try:
+            self.groups[group_name] = join_update_group(
+                master_address, master_port, rank_offset + self.ps.tp_rank, world_size,
+                group_name, backend, self.runner.device)
+        except Exception as e:
+            return False, f"Failed to init weight update group {group_name!r}: {_err(e)}"
+        return True, "Succeeded to initialize custom process group."
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group"):
+        group = self.groups.pop(group_name, None)
+        if group is None:
+            return False, f"no weight update group {group_name!r}"
+        group.destroy()
+        return True, "Succeeded to destroy custom process group."
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                        shapes: list[list[int]],
+                                        group_name: str = "weight_update_group",
+                                        flush_cache: bool = True,
+                                        weight_version: str | None = None,
+                                        load_format: str | None = None):
+        """Receive ``names`` by broadcast from group rank 0 (one tensor each, or one uint8
+        bucket with ``load_format="flattened_bucket"``, tensors packed in order without
+        padding) and load them as full HF tensors. Everything is received even when the
+        names are bad (the trainer would hang otherwise), then nothing is copied."""
+        group = self.groups.get(group_name)
+        if group is None:
+            return False, f"no weight update group {group_name!r}; call init_weights_update_group"
+        try:
+            dts = [getattr(torch, str(d).replace("torch.", "")) for d in dtypes]
+            if not all(isinstance(d, torch.dtype) for d in dts) or \
+                    not len(names) == len(dts) == len(shapes):
+                raise ValueError("names, dtypes and shapes must be lists of equal length")
+        except (AttributeError, TypeError, ValueError) as e:
+            return False, f"Failed to update weights: {_err(e)}"  # nothing was broadcast yet
+        dev = group.device
+        if load_format == "flattened_bucket":
+            sizes = [ser._prod(s) * d.itemsize for s, d in zip(shapes, dts)]
+            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=dev)
+            group.broadcast([flat])
+            meta, pos = [], 0
+            for n, s, d, nb in zip(names, shapes, dts, sizes):
+                meta.append(ser.FlattenedTensorMetadata(n, tuple(s), d, pos, pos + nb,
+                                                        ser._prod(s)))
+                pos += nb
+            named = ser.FlattenedTensorBucket(flat, meta).reconstruct_tensors()
+        else:
+            tensors = [torch.empty(tuple(s), dtype=d, device=dev) for s, d in zip(shapes, dts)]
+            group.broadcast(tensors)
+            named = list(zip(names, tensors))
+        plan, err = None, None
+        try:
+            plan = self._plan(named, None)
+        except Exception as e:
+            err = _err(e)
+        return self._commit(plan, err, flush_cache, weight_version)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100, tp_rank: int = 0):
+        """The first ``truncate_size`` rows of rank ``tp_rank``'s shard of ``name`` (an HF name,
+        e.g. ``...k_proj.weight`` reads its rows of the fused ``qkv_proj``, or one of our
+        parameter names) as a float nested list; None on the other ranks. Raises KeyError."""
+        if tp_rank != self.ps.tp_rank:
+            return None
+        t = self._hf_view(name)
+        return t[:truncate_size].float().cpu().tolist()
+
+    def update_weight_version(self, new_version: str):
+        self.scheduler.weight_version = new_version
+        return True, f"Weight version updated to {new_version}."
+
+    # ------------------------------------------------------------------ phase 1: check
+    def _open_entry(self, entries: list, load_format) -> list[tuple[str, torch.Tensor]]:
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be null, 'direct' or 'flattened_bucket', got "
+                             f"{load_format!r}")
+        ps = self.ps
+        if not isinstance(entries, (list, tuple)) or len(entries) != ps.tp_size:
+            n = len(entries) if isinstance(entries, (list, tuple)) else "no list"
+            raise ValueError(f"serialized_named_tensors must have one entry per TP rank "
+                             f"({ps.tp_size}), got {n}")
+        obj = ser.deserialize(entries[ps.tp_rank])
+        if load_format == "flattened_bucket":
+            if isinstance(obj, ser.FlattenedTensorBucket):
+                obj = obj.to_payload()
+            if not isinstance(obj, dict) or set(obj) != {"flattened_tensor", "metadata"}:
+                raise ValueError("a flattened_bucket entry must be a dict with keys "
+                                 "'flattened_tensor' and 'metadata'")
+            bucket = ser.FlattenedTensorBucket(self._local(obj["flattened_tensor"], "bucket"),
+                                               list(obj["metadata"]))
+            return bucket.reconstruct_tensors()
+        items = list(obj.items()) if isinstance(obj, dict) else obj
+        if not isinstance(items, (list, tuple)):
+            raise ValueError(f"an entry must be a list of (name, tensor), got {type(obj).__name__}")
+        out = []
+        for item in items:
+            if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)):
+                raise ValueError("an entry must be a list of (name, tensor) pairs")
+            out.append((item[0], self._local(item[1], item[0])))
+        return out
+
+    def _local(self, t: Any, name: str) -> torch.Tensor:
+        """Unwrap a LocalSerializedTensor with the deployment rank; check the device."""
+        if isinstance(t, ser.LocalSerializedTensor):
+            t = t.get(self.ps.tp_rank)
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+        dev = self.runner.device
+        if t.is_cuda and (dev.type != "cuda" or t.device != dev):
+            raise ValueError(f"{name}: tensor opened on {t.device}, but tp_rank "
+                             f"{self.ps.tp_rank} runs on {dev}")
+        return t
+
+    def _plan(self, named: list[tuple[str, torch.Tensor]], load_format,
+              require_all: bool = False) -> list[tuple[nn.Parameter, Any, Any, torch.Tensor]]:
+        """(param, shard, loader, tensor) per tensor, after checking names, shapes and dtypes
+        (the loader is dry-run on ``meta`` tensors). Raises KeyError/ValueError naming it."""
+        model = self.runner.model
+        params = dict(model.named_parameters(remove_duplicate=False))
+        plan, seen = [], set()
+        for name, t in named:
+            if not t.is_floating_point():
+                raise ValueError(f"{name}: dtype {t.dtype} is not a floating-point type")
+            if load_format == "direct":
+                p = params.get(name)
+                if p is None:
+                    raise KeyError(f"unknown parameter {name!r} (direct uses fused names)")
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"{name}: shape {tuple(t.shape)} does not match this "
+                                     f"rank's parameter shape {tuple(p.shape)}")
+                plan.append((p, None, None, t))
+                seen.add(name)
+                continue
+            resolved = model.resolve_param(name, params)
+            if resolved is None:
+                continue
+            p, shard = resolved
+            want = hf_shape(name, self.scheduler.model_config)
+            if want is not None and tuple(t.shape) != want:
+                raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {want}")
+            loader = getattr(p, "weight_loader", None)
+            if loader is not None:
+                try:
+                    meta_p = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+                    loader(meta_p, torch.empty(t.shape, dtype=p.dtype, device="meta"), shard)
+                except (RuntimeError, ValueError, IndexError) as e:
+                    raise ValueError(f"{name}: {e}") from None
+            elif tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+            plan.append((p, shard, loader, t))
+            seen.update(k for k, v in params.items() if v is p)
+        if require_all:
+            missing = [k for k in params if k not in seen and not self._tied(k)]
+            if missing:
+                raise ValueError(f"checkpoint has no weights for {missing[0]!r}")
+        return plan
+
+    def _tied(self, param_name: str) -> bool:
+        return param_name == "lm_head.weight" and self.scheduler.model_config.tie_word_embeddings
+
+    # ------------------------------------------------------------------ phase 2: commit
+    def _commit(self, plan, err: str | None, flush_cache: bool, weight_version: str | None,
+                rollback_path: str | None = None):
+        ok = self.ps.min_over_ranks(int(err is None)) == 1
+        if not ok:
+            why = err or "another TP rank rejected its entry"
+            return False, f"Failed to update weights: {why}. No weights were changed."
+        try:
+            self._apply(plan)
+        except Exception as e:  # unexpected after the checks: restore what we can
+            logger.exception("weight copy failed after validation")
+            if rollback_path is None:
+                return False, f"Failed to update weights: {_err(e)}. Weights may be partially " \
+                              "updated."
+            self._apply(self._plan(list(iter_weights(rollback_path, "auto")), None))
+            return False, f"Failed to update weights: {_err(e)}. Rolled back to {rollback_path}."
+        msg = "Succeeded to update model weights."
+        if flush_cache:
+            msg += " " + self._flush()
+        if weight_version is not None:
+            self.scheduler.weight_version = weight_version
+            msg += f" Weight version updated to {weight_version}."
+        return True, msg
+
+    @torch.no_grad()
+    def _apply(self, plan) -> None:
+        for p, shard, loader, t in plan:
+            t = t.to(device=p.device, dtype=p.dtype)
+            if loader is None:
+                p.data.copy_(t)
+            else:
+                loader(p, t, shard)
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)  # the sender may free its tensors next
+
+    def _flush(self) -> str:
+        """Drop KV computed with the old weights. Requests paused in place keep theirs (SGLang:
+        their KV stays); only the unpinned part of the prefix cache goes then."""
+        s = self.scheduler
+        if not s.running and all(r.req_pool_idx is None for r in s.waiting):
+            s.tree.reset()
+            s.allocator.clear()
+            s.req_pool.clear()
+            return "Cache flushed."
+        s.tree.evict(s.allocator.capacity_tokens)
+        return f"Prefix cache flushed; {len(s.running)} running requests keep their KV."
+
+    def _hf_view(self, name: str) -> torch.Tensor:
+        model = self.runner.model
+        params = dict(model.named_parameters(remove_duplicate=False))
+        if name in params:
+            return params[name].data
+        resolved = model.resolve_param(name, params)
+        if resolved is None:
+            raise KeyError(f"{name!r} is not a stored parameter")
+        p, shard = resolved
+        if shard is None:
+            return p.data
+        layer = p.weight_loader.__self__  # the fused layer: it knows its sub-shard sizes
+        if isinstance(shard, str):  # q / k / v
+            q, kv = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+            start, n = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
+        else:
+            start, n = sum(layer.out_sizes[:shard]), layer.out_sizes[shard]
+        return p.data.narrow(0, start, n)
