@@ -96,6 +96,47 @@ def graph_replay_ms(runner, bs: int, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
+def profile_batch(sched: Scheduler, runner, bs: int, input_len: int, out_dir: str) -> None:
+    """Host profile (cProfile, 32 decode steps) and GPU kernel table (torch.profiler, 10 graph
+    replays) for batch ``bs``, appended to ``out_dir/profile.txt``."""
+    import cProfile
+    import io
+    import os
+    import pstats
+    os.makedirs(out_dir, exist_ok=True)
+    g = torch.Generator().manual_seed(7)
+    for i in range(bs):
+        ids = torch.randint(0, 128000, (input_len,), generator=g).tolist()
+        sp = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+        sched.add_request(GenerateReqInput(f"p{bs}-{i}", ids, sp, log_metrics=False))
+    while any(not r.output_ids for r in sched.running) or sched.waiting:
+        sched.step()
+    for _ in range(4):
+        sched.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(32):
+        sched.step()
+    prof.disable()
+    while sched.busy:
+        sched.step()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(40)
+    with open(f"{out_dir}/profile.txt", "a") as f:
+        f.write(f"\n==== host cProfile, batch {bs}, 32 decode steps\n{buf.getvalue()}")
+    if bs in runner.graph_runner.graphs:
+        graph = runner.graph_runner.graphs[bs]
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+            for _ in range(10):
+                graph.replay()
+            torch.cuda.synchronize()
+        with open(f"{out_dir}/profile.txt", "a") as f:
+            f.write(f"\n==== GPU kernels, batch {bs}, 10 graph replays\n")
+            f.write(p.key_averages().table(sort_by="cuda_time_total", row_limit=40,
+                                           max_name_column_width=90))
+
+
 def hf_decode_ms(hf, bs: int, input_len: int, n: int) -> float:
     """HF generate() greedy: (time(n new tokens) - time(1 new token)) / (n - 1), in ms."""
     ids = torch.randint(0, 128000, (bs, input_len), device="cuda")
@@ -118,6 +159,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--hf-batch-sizes", type=int, nargs="*", default=[1, 32])
     ap.add_argument("--hf-output-len", type=int, default=32)
+    ap.add_argument("--profile-dir", default=None,
+                    help="write a host cProfile of decode steps and a per-kernel GPU time "
+                         "table of one graph replay, per batch size, into this folder")
     a = ap.parse_args()
     max_bs = max(a.batch_sizes)
     ctx = a.input_len + a.output_len + 8
@@ -158,6 +202,8 @@ def main() -> None:
         floor = (w_bytes + kv_read) / bw * 1e3
         replay = graph_replay_ms(runner, bs) if bs in runner.graph_runner.graphs else float("nan")
         rows.append((bs, prefill * 1e3, ms, mean_ms, bs / ms * 1e3, floor, floor / ms, replay))
+        if a.profile_dir:
+            profile_batch(sched, runner, bs, a.input_len, a.profile_dir)
     hf_ms = {}
     if hf is not None:
         with torch.inference_mode():

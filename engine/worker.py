@@ -154,7 +154,8 @@ def serve(scheduler: Scheduler, ps: ParallelState, io: ApiIO | None, parent_pid:
         msgs, stop = [], False
         if io is not None:
             msgs = io.recv_all(0 if scheduler.busy and not scheduler.paused else IDLE_POLL_MS)
-            stop = not msgs and not scheduler.busy and os.getppid() != parent_pid
+            stop = not msgs and (not scheduler.busy or scheduler.paused) and \
+                os.getppid() != parent_pid  # paused requests would never finish
             if stop:
                 logger.info("parent process gone; exiting")
                 if before_stop is not None:

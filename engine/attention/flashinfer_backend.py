@@ -41,12 +41,14 @@ def kv_head_dim(head_dim: int) -> int:
 
 
 def page_table_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                       seq_lens: torch.Tensor, total_pages: int, page_size: int) -> torch.Tensor:
+                       seq_lens: torch.Tensor, total_pages: int, page_size: int,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """Flattened page ids of a batch, on the device of ``req_to_token``, without a host sync.
 
     ``req_pool_indices`` / ``seq_lens`` [B] int64 (device); ``total_pages`` = sum of
     ceil(seq_len / page_size) (known on the host). Returns [total_pages] int32: for request b,
     ``req_to_token[row_b, j * page_size] // page_size`` for j < ceil(seq_len_b / page_size).
+    ``out``: optional int32 [total_pages] tensor to write into (returned).
     """
     pages = (seq_lens + page_size - 1) // page_size
     ends = torch.cumsum(pages, 0)
@@ -54,7 +56,26 @@ def page_table_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tenso
     b = torch.searchsorted(ends, i, right=True)
     col = (i - (ends[b] - pages[b])) * page_size
     slots = req_to_token[req_pool_indices[b], col]
-    return (slots // page_size).to(torch.int32) if page_size > 1 else slots.to(torch.int32)
+    if page_size > 1:
+        slots = slots // page_size
+    if out is None:
+        return slots.to(torch.int32)
+    return out.copy_(slots)
+
+
+def kv_pair_view(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """k, v [T, H, D] -> a [T, 2, H, D] view over both when v directly follows k in memory with
+    the same strides (the k and v column blocks of the fused qkv projection output), else None."""
+    if k.dim() != 3 or v.shape != k.shape or v.stride() != k.stride() or v.dtype != k.dtype:
+        return None
+    t, h, d = k.shape
+    if k.stride(2) != 1 or k.stride(1) != d:
+        return None
+    if v.data_ptr() != k.data_ptr() + h * d * k.element_size():
+        return None
+    if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
+        return None
+    return k.as_strided((t, 2, h, d), (k.stride(0), h * d, d, 1))
 
 
 def host_page_meta(seq_lens: list[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,10 +152,15 @@ class FlashInferBackend:
 
     # ------------------------------------------------------------------ CUDA graphs
     def init_cuda_graph_state(self, max_bs: int, max_num_pages: int) -> None:
-        """Fixed int32 buffers shared (as slices) by the per-batch-size graph wrappers."""
+        """Fixed int32 buffers shared (as slices) by the per-batch-size graph wrappers, and a
+        pinned host staging buffer for the fast re-plan (indptr | last_page_len | kv_lens)."""
         self._cg_bufs = (torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
                          torch.zeros(max_num_pages, dtype=torch.int32, device=self.device),
                          torch.ones(max_bs, dtype=torch.int32, device=self.device))
+        self._cg_host = torch.zeros(3 * max_bs + 1, dtype=torch.int32, pin_memory=True)
+        self._cg_host_free = torch.cuda.Event()  # the staging buffer's last H2D copy is done
+        self._cg_host_free.record()
+        self._qo_indptr_host: dict[int, torch.Tensor] = {}
 
     def init_forward_metadata_cuda_graph(self, batch: ForwardBatch) -> None:
         """Plan a (padded) DECODE batch on the graph wrapper of its batch size, creating the
@@ -148,7 +174,55 @@ class FlashInferBackend:
                 paged_kv_indptr_buffer=indptr[:bs + 1], paged_kv_indices_buffer=indices,
                 paged_kv_last_page_len_buffer=last[:bs])
             self.graph_wrappers[bs] = wrapper
-        self._plan_decode(wrapper, batch)
+            self._plan_decode(wrapper, batch)  # full plan once: resolves and caches the module
+            return
+        self._fast_plan_graph(wrapper, batch)
+
+    def _fast_plan_graph(self, wrapper, batch: ForwardBatch) -> None:
+        """Re-plan a graph wrapper already planned once (same batch size, dtypes, heads): what
+        ``wrapper.plan()`` does in graph mode for the tensor-core fa2 path, minus its checks,
+        its blocking copies from pageable memory and its per-element host loops. indptr (and
+        last_page_len when page_size > 1) go up with one async copy each from a pinned buffer;
+        page ids are gathered on the device straight into the indices buffer; the kernel's
+        scheduler (``_cached_module.plan``) gets the host indptr and kv lengths as before."""
+        bs, ps = batch.batch_size, self.page_size
+        seq = batch.seq_lens_cpu
+        if ps == 1:
+            pages, last = seq, None
+        else:
+            pages = [-(-s // ps) for s in seq]
+            last = [s - (n - 1) * ps for s, n in zip(seq, pages)]
+        indptr = [0]
+        for n in pages:
+            indptr.append(indptr[-1] + n)
+        total = indptr[-1]
+        indptr_d, indices_d, last_d = self._cg_bufs
+        if total > indices_d.shape[0]:
+            raise ValueError(f"CUDA-graph page table overflow: {total} > {indices_d.shape[0]}")
+        self._cg_host_free.synchronize()  # the previous step's copies have read the buffer
+        host = self._cg_host
+        n = 2 * bs + 1
+        host[:n] = torch.tensor(indptr + seq, dtype=torch.int32)
+        indptr_h, kv_lens_h = host[:bs + 1], host[bs + 1:n]
+        indptr_d[:bs + 1].copy_(indptr_h, non_blocking=True)
+        if last is not None:
+            host[n:n + bs] = torch.tensor(last, dtype=torch.int32)
+            last_d[:bs].copy_(host[n:n + bs], non_blocking=True)
+        self._cg_host_free.record()
+        page_table_indices(self.req_to_token, batch.req_pool_indices, batch.seq_lens, total,
+                           ps, out=indices_d[:total])
+        qo = self._qo_indptr_host.get(bs)
+        if qo is None:
+            qo = self._qo_indptr_host[bs] = torch.arange(bs + 1, dtype=torch.int32)
+        # argument list of BatchDecodeWithPagedKVCacheWrapper._plan_impl's tensor-core branch
+        # (flashinfer 0.6.18 decode.py, backend fa2, q_len_per_req 1)
+        wrapper._plan_info = wrapper._cached_module.plan(
+            wrapper._float_workspace_buffer, wrapper._int_workspace_buffer,
+            wrapper._pin_memory_int_workspace_buffer, qo, indptr_h, kv_lens_h,
+            bs, bs, self.num_qo_heads, self.num_kv_heads, ps, True,
+            self.kernel_head_dim, self.kernel_head_dim, False, -1,
+            -1, False, 0, 0)
+        self._active = wrapper
 
     # ------------------------------------------------------------------ run
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
@@ -159,10 +233,16 @@ class FlashInferBackend:
         if dk != d:
             q, k, v = (F.pad(x, (0, dk - d)) for x in (q, k, v))
         k_buf, v_buf = self.kv.k_buffers[layer_id], self.kv.v_buffers[layer_id]
-        k_buf[batch.out_cache_loc] = k
-        v_buf[batch.out_cache_loc] = v
+        pair = kv_pair_view(k, v)
+        if pair is not None:  # one scatter writes K and V: kv[:, loc] = [k; v]
+            self.kv.kv_buffers[layer_id][:, batch.out_cache_loc] = pair.transpose(0, 1)
+        else:
+            k_buf[batch.out_cache_loc] = k
+            v_buf[batch.out_cache_loc] = v
         shape = (-1, self.page_size, self.num_kv_heads, dk)
-        o = self._active.run(q.contiguous(), (k_buf.view(shape), v_buf.view(shape)))
+        if q.stride(-1) != 1:  # the kernels take q's row and head strides (a view of qkv is
+            q = q.contiguous()  # fine) but need a contiguous head_dim
+        o = self._active.run(q, (k_buf.view(shape), v_buf.view(shape)))
         if dk != d:
             o = o[..., :d]
         return o.reshape(q.shape[0], self.num_qo_heads * d)

@@ -14,6 +14,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.distributed.parallel_state import ParallelState
 from engine.layers.activation import SiluAndMul
+from engine.layers.cuda_ops import fused_ok
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                   RowParallelLinear)
@@ -116,10 +117,31 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, attn) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.model.embed_tokens(batch.input_ids)
-        for layer in self.model.layers:
-            x = layer(x, batch, attn)
-        hidden = self.model.norm(x)
+        fi = fused_ok(x)
+        if fi is not None and x.shape[-1] % 8 == 0 and len(self.model.layers) > 0:
+            hidden = self._forward_fused_norms(fi, x, batch, attn)
+        else:
+            for layer in self.model.layers:
+                x = layer(x, batch, attn)
+            hidden = self.model.norm(x)
         return self.lm_head.logits(hidden[batch.logits_indices]), hidden
+
+    def _forward_fused_norms(self, fi, x: torch.Tensor, batch: ForwardBatch, attn) -> torch.Tensor:
+        """The decoder stack on CUDA bf16/fp16 with every residual add folded into the next
+        RMSNorm: flashinfer ``fused_add_rmsnorm(h, residual, w)`` does ``residual += h;
+        h = rmsnorm(residual) * w`` in place (one kernel instead of add + norm). Same function
+        as ``DecoderLayer.forward``; the sum is normalised before it is rounded to bf16."""
+        layers = self.model.layers
+        residual = x  # the embedding output (a fresh tensor) becomes the residual stream
+        h = layers[0].input_layernorm(x)
+        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        for layer, nxt in zip(layers, next_norms):
+            h = layer.self_attn(h, batch, attn)
+            post = layer.post_attention_layernorm
+            fi.fused_add_rmsnorm(h, residual, post.weight, post.eps)
+            h = layer.mlp(h)
+            fi.fused_add_rmsnorm(h, residual, nxt.weight, nxt.eps)
+        return h
 
     def resolve_param(self, hf_name: str, params: dict[str, nn.Parameter]):
         """Map an HF parameter name to (our parameter, shard id), or None to skip it (rotary

@@ -34,6 +34,21 @@ def batch_size_buckets(max_bs: int) -> list[int]:
     return out
 
 
+def _consecutive_rows(fields: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """A [len(fields), n] view when the 1-D tensors ``fields`` (same dtype, length n, contiguous)
+    lie back to back in one storage, else None."""
+    first = fields[0]
+    n = first.shape[0]
+    step = n * first.element_size()
+    for i, t in enumerate(fields):
+        if (t.dim() != 1 or t.shape[0] != n or t.dtype != first.dtype or t.stride(0) != 1
+                or t.device != first.device
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.data_ptr() != first.data_ptr() + i * step):
+            return None
+    return first.as_strided((len(fields), n), (n, 1))
+
+
 class CudaGraphRunner:
     """Captures the model's DECODE forward for each bucket at construction (call it before the
     engine reports ready: capture takes seconds). ``runner``: a ModelRunner with a
@@ -53,8 +68,14 @@ class CudaGraphRunner:
         def buf(fill: int) -> torch.Tensor:
             return torch.full((self.max_bs,), fill, dtype=torch.int64, device=self.device)
 
-        self.input_ids, self.positions, self.out_cache_loc = buf(0), buf(0), buf(0)
-        self.req_pool_indices, self.seq_lens = buf(padding_row), buf(1)
+        # the five per-step inputs are rows of one tensor (the order of build_forward_batch's
+        # packed fields), so a step's inputs and the dummy-row fill are one copy each
+        fills = (0, 0, 0, padding_row, 1)  # input_ids, positions, out_cache_loc, rows, seq_lens
+        self.static_inputs = torch.tensor(fills, dtype=torch.int64,
+                                          device=self.device)[:, None].repeat(1, self.max_bs)
+        self.pad_inputs = self.static_inputs.clone()
+        (self.input_ids, self.positions, self.out_cache_loc, self.req_pool_indices,
+         self.seq_lens) = self.static_inputs.unbind(0)
         self.zeros, self.ones = buf(0), buf(1)
         self.logits_indices = torch.arange(self.max_bs, device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -108,15 +129,16 @@ class CudaGraphRunner:
         static outputs, valid until the next replay."""
         raw = batch.batch_size
         bs = self.buckets[bisect.bisect_left(self.buckets, raw)]
-        self.input_ids[:raw].copy_(batch.input_ids)
-        self.positions[:raw].copy_(batch.positions)
-        self.out_cache_loc[:raw].copy_(batch.out_cache_loc)
-        self.req_pool_indices[:raw].copy_(batch.req_pool_indices)
-        self.seq_lens[:raw].copy_(batch.seq_lens)
+        fields = (batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices,
+                  batch.seq_lens)
+        packed = _consecutive_rows(fields)
+        if packed is not None:  # build_forward_batch's layout: one copy
+            self.static_inputs[:, :raw].copy_(packed)
+        else:
+            for dst, src in zip(self.static_inputs, fields):
+                dst[:raw].copy_(src)
         if bs > raw:  # dummy rows: an earlier, larger batch may have left real values here
-            for t, fill in ((self.input_ids, 0), (self.positions, 0), (self.out_cache_loc, 0),
-                            (self.req_pool_indices, self.padding_row), (self.seq_lens, 1)):
-                t[raw:bs].fill_(fill)
+            self.static_inputs[:, raw:bs].copy_(self.pad_inputs[:, raw:bs])
         pad = bs - raw
         static = self._static_batch(bs, batch.seq_lens_cpu + [1] * pad,
                                     batch.req_pool_indices_cpu + [self.padding_row] * pad)

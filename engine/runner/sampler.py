@@ -113,14 +113,22 @@ class SamplingBatchInfo:
         if any(banned):
             stop_mask = _scatter_rows(banned, V, device, count=False) > 0
 
+        # the [B] rows travel in one host-to-device copy (top_k and the greedy flag as exact
+        # float32: V < 2**24), then split into views / cast on the device
+        packed = f32([temps, [float(sp.top_p) for sp in sps], [float(sp.min_p) for sp in sps],
+                      [float(sp.frequency_penalty) for sp in sps],
+                      [float(sp.presence_penalty) for sp in sps],
+                      [float(sp.repetition_penalty) for sp in sps],
+                      [float(k) for k in top_ks], [1.0 if g else 0.0 for g in greedy]])
         return cls(
-            temperatures=f32(temps),
-            top_ps=f32([float(sp.top_p) for sp in sps]),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            min_ps=f32([float(sp.min_p) for sp in sps]),
-            frequency_penalties=f32([float(sp.frequency_penalty) for sp in sps]),
-            presence_penalties=f32([float(sp.presence_penalty) for sp in sps]),
-            repetition_penalties=f32([float(sp.repetition_penalty) for sp in sps]),
+            temperatures=packed[0],
+            top_ps=packed[1],
+            top_ks=(packed[6].to(torch.int64) if V < 2**24
+                    else torch.tensor(top_ks, dtype=torch.int64, device=device)),
+            min_ps=packed[2],
+            frequency_penalties=packed[3],
+            presence_penalties=packed[4],
+            repetition_penalties=packed[5],
             output_counts=output_counts,
             seen_mask=seen_mask,
             logit_bias=logit_bias,
@@ -128,13 +136,38 @@ class SamplingBatchInfo:
             seeds=[None if sp.sampling_seed is None else row_seed(sp.sampling_seed,
                                                                   len(r.output_ids))
                    for sp, r in zip(sps, reqs)],
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            is_greedy=packed[7] > 0.5,
             is_all_greedy=all(greedy),
             need_top_k=any(k < V for k, g in zip(top_ks, greedy) if not g),
             need_top_p=any(sp.top_p < 1.0 for sp, g in zip(sps, greedy) if not g),
             need_min_p=any(sp.min_p > 0.0 for sp, g in zip(sps, greedy) if not g),
             vocab_size=V,
         )
+
+
+def plain_greedy(reqs: list[Req], eos_token_ids: tuple[int, ...] = ()) -> bool:
+    """True when ``Sampler`` would return the argmax of the raw logits for every request and
+    nothing else is needed: all greedy, no logprobs, no penalties, no logit bias, no
+    min_new_tokens ban in force. Such a batch can skip ``SamplingBatchInfo`` altogether and
+    take ``greedy_next_ids`` (same tokens, no per-row tensors, no host-to-device copies).
+    Conservative: a request that only might need the full path (e.g. an out-of-vocabulary
+    stop id below min_new_tokens) makes it False."""
+    for r in reqs:
+        sp = r.sampling_params
+        if (not sp.is_greedy or r.return_logprob or sp.frequency_penalty != 0
+                or sp.presence_penalty != 0 or sp.repetition_penalty != 1 or sp.logit_bias):
+            return False
+        if len(r.output_ids) < sp.min_new_tokens and (
+                sp.stop_token_ids or (eos_token_ids and not sp.ignore_eos)):
+            return False
+    return True
+
+
+def greedy_next_ids(logits: torch.Tensor) -> list[int]:
+    """Argmax of each row of ``logits`` [B, V] as a Python list: one kernel and the step's one
+    device-to-host copy. Equals ``Sampler(...).next_token_ids.tolist()`` on a batch for which
+    ``plain_greedy`` holds (argmax of the unmodified float32 logits, first index on ties)."""
+    return logits.float().argmax(dim=-1).tolist()
 
 
 def _scatter_rows(rows: list[list[int]], vocab_size: int, device: torch.device,

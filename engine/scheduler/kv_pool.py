@@ -91,14 +91,18 @@ class TokenToKVPoolAllocator:
 
 class KVCache:
     """Per-layer K and V tensors [num_slots, num_kv_heads, head_dim], num_slots =
-    (num_pages + 1) * page_size (the +1 is the reserved dummy page)."""
+    (num_pages + 1) * page_size (the +1 is the reserved dummy page). Each layer's K and V are
+    the two halves of one tensor ``kv_buffers[l]`` [2, num_slots, H, D], so a backend can write
+    a token's K and V with one scatter."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device):
         slots = (num_pages + 1) * page_size
-        shape = (slots, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (2, slots, num_kv_heads, head_dim)
+        self.kv_buffers = [torch.zeros(shape, dtype=dtype, device=device)
+                           for _ in range(num_layers)]
+        self.k_buffers = [kv[0] for kv in self.kv_buffers]
+        self.v_buffers = [kv[1] for kv in self.kv_buffers]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,

@@ -20,7 +20,8 @@ from engine.config import EngineArgs, ModelConfig
 from engine.io_struct import AbortReq, GenerateReqInput, ReqOutput
 from engine.runner.forward_batch import build_forward_batch
 from engine.runner.model_runner import ModelRunner
-from engine.runner.sampler import Sampler, SamplingBatchInfo
+from engine.runner.sampler import (SampleOutput, Sampler, SamplingBatchInfo, greedy_next_ids,
+                                   plain_greedy)
 from engine.scheduler import output
 from engine.scheduler.prefix_cache import RadixCache
 from engine.types import FinishReason, ForwardMode, InvalidRequestError, Req, ReqStatus
@@ -29,6 +30,17 @@ from engine.weights.updater import WeightUpdater
 logger = logging.getLogger(__name__)
 
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"
+
+
+def _fill_slice(req: Req, start: int, n: int) -> list[int]:
+    """``req.fill_ids[start:start + n]`` without building ``fill_ids`` (prompt + output, a
+    copy of the whole sequence) each step."""
+    plen = len(req.origin_input_ids)
+    if start >= plen:
+        return req.output_ids[start - plen:start - plen + n]
+    if start + n <= plen:
+        return req.origin_input_ids[start:start + n]
+    return req.origin_input_ids[start:] + req.output_ids[:start + n - plen]
 
 
 class Scheduler:
@@ -129,7 +141,7 @@ class Scheduler:
 
     def _schedule(self) -> tuple[list[Req], list[int], ForwardMode]:
         reqs, lens, budget = [], [], self.chunk_budget
-        for req in [q for q in self.running if len(q.fill_ids) - q.num_computed_tokens > 1]:
+        for req in [q for q in self.running if q.seq_len - q.num_computed_tokens > 1]:
             n = self._alloc_extend(req, budget)
             if n == 0:
                 break
@@ -152,7 +164,7 @@ class Scheduler:
             budget -= n
         if reqs:
             return reqs, lens, ForwardMode.EXTEND
-        decode = [q for q in self.running if len(q.fill_ids) - q.num_computed_tokens == 1]
+        decode = [q for q in self.running if q.seq_len - q.num_computed_tokens == 1]
         decode = self._alloc_decode(decode)
         if not decode and self.running:  # partial prefills stuck on memory
             if len(self.running) > 1:
@@ -202,7 +214,7 @@ class Scheduler:
     def _alloc_extend(self, req: Req, budget: int) -> int:
         """Allocate KV for the next chunk of ``req`` (at most ``budget`` tokens, shrunk to
         what memory allows). Returns the chunk length, 0 if nothing fits."""
-        n = min(len(req.fill_ids) - req.num_computed_tokens, budget)
+        n = min(req.seq_len - req.num_computed_tokens, budget)
         while n > 0 and not self._alloc_slots(req, n):
             n //= 2
         return n
@@ -255,15 +267,15 @@ class Scheduler:
     def _run(self, reqs: list[Req], ext_lens: list[int], mode: ForwardMode) -> list[ReqOutput]:
         ids, pos, locs, prefix, logit_rows, plan = [], [], [], [], [], []
         for req, n in zip(reqs, ext_lens):
-            start, fill = req.num_computed_tokens, req.fill_ids
+            start = req.num_computed_tokens
             base = len(ids)
-            ids.extend(fill[start:start + n])
+            ids.extend(_fill_slice(req, start, n))
             pos.extend(range(start, start + n))
             locs.extend(req.kv_slots[start:start + n])
             prefix.append(start)
             prompt_rows = output.prompt_logprob_positions(req, start, n)
             logit_rows.extend(base + p - start for p in prompt_rows)
-            samples = start + n == len(fill)
+            samples = start + n == req.seq_len
             if samples:
                 logit_rows.append(base + n - 1)
             plan.append((prompt_rows, samples))
@@ -286,12 +298,19 @@ class Scheduler:
                 row += 1
         outs = []
         if sample_reqs:
-            info = SamplingBatchInfo.from_reqs(sample_reqs, self.vocab_size, logits.device,
-                                               self.eos_token_ids)
-            want_lp = any(r.return_logprob for r in sample_reqs)
-            top_n = max(r.top_logprobs_num for r in sample_reqs)
-            res = self.sampler(logits[sample_rows], info, sample_reqs, want_lp, top_n)
-            next_ids = res.next_token_ids.tolist()
+            rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
+            if plain_greedy(sample_reqs, self.eos_token_ids):
+                # all-greedy fast path: argmax on the device, one device-to-host copy, no
+                # per-row sampling tensors (same tokens as the full sampler)
+                res = SampleOutput(next_token_ids=torch.empty(0))
+                next_ids = greedy_next_ids(rows)
+            else:
+                info = SamplingBatchInfo.from_reqs(sample_reqs, self.vocab_size, logits.device,
+                                                   self.eos_token_ids)
+                want_lp = any(r.return_logprob for r in sample_reqs)
+                top_n = max(r.top_logprobs_num for r in sample_reqs)
+                res = self.sampler(rows, info, sample_reqs, want_lp, top_n)
+                next_ids = res.next_token_ids.tolist()
             for i, req in enumerate(sample_reqs):
                 n_before = len(req.output_ids)
                 finished = output.append_token(req, next_ids[i], res, i, self.eos_token_ids,

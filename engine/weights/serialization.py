@@ -104,7 +104,7 @@ class FlattenedTensorBucket:
                 raise ValueError(f"flattened-bucket metadata of {m.name!r} does not fit the "
                                  f"buffer ({flat.numel()} bytes)")
             piece = flat[m.start_idx:m.end_idx]
-            if m.start_idx % m.dtype.itemsize:
+            if (flat.storage_offset() + m.start_idx) % m.dtype.itemsize:
                 piece = piece.clone()
             out.append((m.name, piece.view(m.dtype).view(m.shape)))
         return out
@@ -152,8 +152,8 @@ def rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
     args = list(args)
     if isinstance(args[6], str):
         args[6] = _uuid_to_index(args[6])
-    if args[0] is None:  # our writer leaves the classes out: fewer globals to allow
-        args[0], args[4] = torch.Tensor, torch.UntypedStorage
+    if args[0] is None:  # our writer leaves the classes out (what torch itself writes)
+        args[0], args[4] = torch.Tensor, torch.storage.TypedStorage
     return reductions.rebuild_cuda_tensor(*args)
 
 
@@ -198,8 +198,10 @@ _OURS = {"LocalSerializedTensor": LocalSerializedTensor,
          "rebuild_cpu_tensor": rebuild_cpu_tensor,
          "rebuild_cuda_tensor_by_uuid": rebuild_cuda_tensor_by_uuid}
 # classes torch's own CUDA reduction names (SGLang clients send them)
-_TORCH_CLASSES = {("torch", "Tensor"): torch.Tensor, ("torch", "UntypedStorage"): torch.UntypedStorage,
+_TORCH_CLASSES = {("torch", "Tensor"): torch.Tensor,
+                  ("torch", "UntypedStorage"): torch.UntypedStorage,
                   ("torch.storage", "UntypedStorage"): torch.UntypedStorage,
+                  ("torch.storage", "TypedStorage"): torch.storage.TypedStorage,
                   ("torch", "Size"): torch.Size, ("torch", "device"): torch.device}
 
 

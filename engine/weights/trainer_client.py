@@ -36,7 +36,10 @@ def tensor_payloads(named: NamedTensors | Sequence[NamedTensors], tp_size: int,
 
     ``named``: one list of (name, tensor) sent to every rank, or a list of ``tp_size`` such
     lists (rank r gets entry r). ``load_format="flattened_bucket"`` packs each list into one
-    ``FlattenedTensorBucket`` (all its tensors on one device)."""
+    ``FlattenedTensorBucket`` (all its tensors on one device); a ready ``FlattenedTensorBucket``
+    is sent as is (no re-packing: keep one per trainer and refill it)."""
+    if isinstance(named, FlattenedTensorBucket):
+        return [serialize(named.to_payload(), output_str=True)] * tp_size
     per_rank = _is_per_rank(named)
     lists = list(named) if per_rank else [named]
     if per_rank and len(lists) != tp_size:
@@ -80,7 +83,8 @@ class TrainerClient:
         return r.json()
 
     # ---- updates ------------------------------------------------------------------------
-    def update_weights_from_tensor(self, named: NamedTensors | Sequence[NamedTensors],
+    def update_weights_from_tensor(self, named: NamedTensors | Sequence[NamedTensors] |
+                                   FlattenedTensorBucket,
                                    load_format: str | None = None, flush_cache: bool = True,
                                    weight_version: str | None = None,
                                    abort_all_requests: bool = False, check: bool = True) -> dict:

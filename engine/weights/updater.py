@@ -22,33 +22,13 @@ import torch
 from torch import nn
 
 from engine.weights import serialization as ser
+from engine.weights.checks import check_same_config, hf_shape, hf_view
 from engine.weights.loader import iter_weights, load_model_config, resolve_model_path
 from engine.weights.update_group import UpdateGroup, join_update_group
 
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = (None, "direct", "flattened_bucket")
-# ModelConfig fields a checkpoint must share with the served model to be swapped in place
-SAME_CONFIG_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size",
-                      "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                      "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
-                      "tie_word_embeddings", "attention_bias", "qk_norm")
-
-
-def hf_shape(name: str, cfg) -> tuple[int, ...] | None:
-    """The full (unsharded) HF shape of Llama/Qwen2/Qwen3 weight ``name``, or None if unknown."""
-    h, d, v, inter = cfg.hidden_size, cfg.head_dim, cfg.vocab_size, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    table = (("embed_tokens.weight", (v, h)), ("lm_head.weight", (v, h)),
-             ("q_proj.weight", (q, h)), ("q_proj.bias", (q,)), ("k_proj.weight", (kv, h)),
-             ("k_proj.bias", (kv,)), ("v_proj.weight", (kv, h)), ("v_proj.bias", (kv,)),
-             ("o_proj.weight", (h, q)), ("gate_proj.weight", (inter, h)),
-             ("up_proj.weight", (inter, h)), ("down_proj.weight", (h, inter)),
-             ("q_norm.weight", (d,)), ("k_norm.weight", (d,)), ("norm.weight", (h,)))
-    for suffix, shape in table:
-        if name == suffix or name.endswith("." + suffix):
-            return shape
-    return None
 
 
 def _err(e: Exception) -> str:
@@ -95,15 +75,12 @@ class WeightUpdater:
         fmt = "auto" if fmt in (None, "dummy") else fmt
         plan, err = None, None
         try:
-            new_cfg, cur = load_model_config(model_path), self.scheduler.model_config
-            for f in SAME_CONFIG_FIELDS:
-                if getattr(new_cfg, f) != getattr(cur, f):
-                    raise ValueError(f"config.{f} is {getattr(new_cfg, f)!r}, the served model "
-                                     f"has {getattr(cur, f)!r}")
+            check_same_config(load_model_config(model_path), self.scheduler.model_config)
             plan = self._plan(list(iter_weights(model_path, fmt)), None, require_all=True)
         except Exception as e:
             err = f"{type(e).__name__}: {_err(e)}" if isinstance(e, OSError) else _err(e)
-        ok, msg = self._commit(plan, err, flush_cache, weight_version, rollback_path=self.model_path)
+        ok, msg = self._commit(plan, err, flush_cache, weight_version,
+                               rollback_path=self.model_path)
         if ok:
             self.model_path = model_path
         return ok, msg
@@ -178,7 +155,7 @@ class WeightUpdater:
         parameter names) as a float nested list; None on the other ranks. Raises KeyError."""
         if tp_rank != self.ps.tp_rank:
             return None
-        t = self._hf_view(name)
+        t = hf_view(self.runner.model, name)
         return t[:truncate_size].float().cpu().tolist()
 
     def update_weight_version(self, new_version: str):
@@ -210,7 +187,8 @@ class WeightUpdater:
             raise ValueError(f"an entry must be a list of (name, tensor), got {type(obj).__name__}")
         out = []
         for item in items:
-            if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)):
+            if not (isinstance(item, (list, tuple)) and len(item) == 2
+                    and isinstance(item[0], str)):
                 raise ValueError("an entry must be a list of (name, tensor) pairs")
             out.append((item[0], self._local(item[1], item[0])))
         return out
@@ -320,22 +298,3 @@ class WeightUpdater:
             return "Cache flushed."
         s.tree.evict(s.allocator.capacity_tokens)
         return f"Prefix cache flushed; {len(s.running)} running requests keep their KV."
-
-    def _hf_view(self, name: str) -> torch.Tensor:
-        model = self.runner.model
-        params = dict(model.named_parameters(remove_duplicate=False))
-        if name in params:
-            return params[name].data
-        resolved = model.resolve_param(name, params)
-        if resolved is None:
-            raise KeyError(f"{name!r} is not a stored parameter")
-        p, shard = resolved
-        if shard is None:
-            return p.data
-        layer = p.weight_loader.__self__  # the fused layer: it knows its sub-shard sizes
-        if isinstance(shard, str):  # q / k / v
-            q, kv = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
-            start, n = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
-        else:
-            start, n = sum(layer.out_sizes[:shard]), layer.out_sizes[shard]
-        return p.data.narrow(0, start, n)

@@ -35,7 +35,7 @@ def ckpt_b(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(launch):
-    return launch(["--model-path", STORIES, "--max-running-requests", "8",
+    return launch(["--model-path", STORIES, "--max-running-requests", "16",
                    "--weight-version", "A"], wait=False)
 
 
@@ -47,15 +47,21 @@ def client(server):
     c.close()
 
 
-def _greedy_ref(path: str) -> list[list[int]]:
-    eng = Engine(model_path=path)
-    sp = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
-    return [o["output_ids"] for o in eng.generate(input_ids=PROMPTS, sampling_params=sp)]
+def greedy(eng: Engine, prompts: list[list[int]], max_new: int | list[int]) -> list[list[int]]:
+    news = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
+    sp = [{"temperature": 0, "max_new_tokens": m, "ignore_eos": True} for m in news]
+    return [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]
 
 
 @pytest.fixture(scope="module")
-def refs(ckpt_b):
-    return {"A": _greedy_ref(STORIES), "B": _greedy_ref(ckpt_b)}
+def engines(ckpt_b):
+    """In-process engines on A and on B: what fresh servers from A and B would answer."""
+    return {"A": Engine(model_path=STORIES), "B": Engine(model_path=ckpt_b)}
+
+
+@pytest.fixture(scope="module")
+def refs(engines):
+    return {k: greedy(e, PROMPTS, NEW) for k, e in engines.items()}
 
 
 def _outputs(client) -> tuple[list[list[int]], set[str]]:
@@ -158,8 +164,8 @@ def _stream(url: str, ids: list[int], max_new: int, sink: list, idx: int) -> Non
 
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
-def test_pause_update_continue_with_32_streams(server, client, refs, ckpt_b, mode):
-    n, max_new = 32, 80
+def test_pause_update_continue_with_32_streams(server, client, engines, ckpt_b, mode):
+    n, max_new = 32, 16
     prompts = [[300 + i, 261, 378] for i in range(n)]  # no shared prefix: no stale KV hits
     last: list = [None] * n
     threads = [threading.Thread(target=_stream, args=(server.url, prompts[i], max_new, last, i))
@@ -167,7 +173,7 @@ def test_pause_update_continue_with_32_streams(server, client, refs, ckpt_b, mod
     for t in threads:
         t.start()
     t0 = time.time()
-    while sum(1 for x in last if x and x["output_ids"]) < 8:
+    while sum(1 for x in last if x and x["output_ids"]) < 4:
         assert time.time() - t0 < 60
         time.sleep(0.02)
     client.pause_generation(mode)
@@ -185,28 +191,25 @@ def test_pause_update_continue_with_32_streams(server, client, refs, ckpt_b, mod
     assert all(f["type"] == "length" for f in fins), fins
     assert all(len(x["output_ids"]) == max_new for x in last)
     assert all(x["meta_info"]["weight_version"] == f"paused-{mode}" for x in last)
-    eng_b = Engine(model_path=ckpt_b)
     resumed = [i for i in range(n) if 0 < len(snap[i]) < max_new]
     assert resumed
     if mode == "retract":  # KV recomputed with B: exactly B's continuation of the prefix
-        sp = [{"temperature": 0, "max_new_tokens": max_new - len(snap[i]), "ignore_eos": True}
-              for i in resumed]
-        ref = eng_b.generate(input_ids=[prompts[i] + snap[i] for i in resumed],
-                             sampling_params=sp)
+        ref = greedy(engines["B"], [prompts[i] + snap[i] for i in resumed],
+                     [max_new - len(snap[i]) for i in resumed])
         for i, o in zip(resumed, ref):
-            assert last[i]["output_ids"] == snap[i] + o["output_ids"], i
+            assert last[i]["output_ids"] == snap[i] + o, i
     # requests that had not started yet ran entirely on B
     fresh = [i for i in range(n) if not snap[i]]
     if fresh:
-        sp = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
-        ref = eng_b.generate(input_ids=[prompts[i] for i in fresh], sampling_params=sp)
-        assert [last[i]["output_ids"] for i in fresh] == [o["output_ids"] for o in ref]
+        ref = greedy(engines["B"], [prompts[i] for i in fresh], max_new)
+        assert [last[i]["output_ids"] for i in fresh] == ref
     assert client.update_weights_from_tensor(_named(STORIES), weight_version="A")["success"]
 
 
-def test_update_without_pause_waits_for_running_requests(server, client, refs, ckpt_b):
+def test_update_without_pause_waits_for_running_requests(server, client, engines, refs,
+                                                        ckpt_b):
     out: list = [None]
-    t = threading.Thread(target=_stream, args=(server.url, PROMPTS[0], 200, out, 0))
+    t = threading.Thread(target=_stream, args=(server.url, PROMPTS[0], 60, out, 0))
     t.start()
     while out[0] is None:
         time.sleep(0.01)
@@ -214,9 +217,7 @@ def test_update_without_pause_waits_for_running_requests(server, client, refs, c
     t.join(timeout=60)
     assert r["success"]
     assert out[0]["meta_info"]["weight_version"] == "A"  # finished before the update ran
-    ref_a = Engine(model_path=STORIES).generate(input_ids=PROMPTS[0], sampling_params={
-        "temperature": 0, "max_new_tokens": 200, "ignore_eos": True})["output_ids"]
-    assert out[0]["output_ids"] == ref_a
+    assert out[0]["output_ids"] == greedy(engines["A"], [PROMPTS[0]], 60)[0]
     assert _outputs(client) == (refs["B"], {"B-wait"})
     assert client.update_weights_from_tensor(_named(STORIES), weight_version="A")["success"]
 
@@ -236,3 +237,21 @@ def test_50_updates_do_not_grow_memory(server, client, ckpt_b):
         assert client.update_weights_from_tensor(payloads[i % 2])["success"]
     grown = (_rss_kb(engine_pid) - base[0], _rss_kb(server.proc.pid) - base[1])
     assert grown[0] < 16 * 1024 and grown[1] < 16 * 1024, grown  # KiB
+
+
+def test_update_weight_version_shows_everywhere(server, client):
+    r = httpx.post(server.url + "/update_weight_version", json={"new_version": "v-manual"})
+    assert r.status_code == 200 and r.json()["new_version"] == "v-manual"
+    assert _versions(server) == ("v-manual", "v-manual")
+    assert _outputs(client)[1] == {"v-manual"}
+
+
+def test_rl_loop_example_passes_against_the_server(server):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "examples/rl_loop.py", "--url", server.url,
+                        "--model-path", STORIES, "--steps", "2", "--path", "distributed"],
+                       capture_output=True, text=True, timeout=300, cwd=str(
+                           __import__("pathlib").Path(__file__).resolve().parents[2]))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all checks passed" in r.stdout

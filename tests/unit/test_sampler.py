@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine.runner.sampler import (Sampler, SamplingBatchInfo, apply_penalties_and_bias,
-                                   apply_top_k_top_p_min_p, compute_prompt_logprobs)
+                                   apply_top_k_top_p_min_p, compute_prompt_logprobs,
+                                   greedy_next_ids, plain_greedy)
 from engine.types import Req, SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -74,6 +75,37 @@ def test_top_k_1_and_temperature_0_equal_greedy_argmax(device):
     assert not info2.is_all_greedy
     out2 = Sampler(seed=1)(logits[:2], info2, reqs2, False, 0)
     assert out2.next_token_ids[0].item() == logits[0].argmax().item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_plain_greedy_fast_path_equals_full_sampler(device):
+    torch.manual_seed(0)
+    logits = torch.randn(5, 300, device=device)
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # a tie: the lower id wins on both paths
+    reqs = [make_req(top_k=1), make_req(temperature=0.0), make_req(temperature=0.0, top_p=.5),
+            make_req(temperature=0.0, min_new_tokens=3, ignore_eos=True),
+            make_req(temperature=0.0, stop_token_ids=[5], output=(1, 2, 3), min_new_tokens=2)]
+    assert plain_greedy(reqs, eos_token_ids=(2,))
+    info = SamplingBatchInfo.from_reqs(reqs, 300, torch.device(device), eos_token_ids=(2,))
+    full = Sampler(seed=0)(logits, info, reqs, False, 0).next_token_ids.tolist()
+    assert greedy_next_ids(logits) == full
+    assert full[2] == 7
+
+
+def test_plain_greedy_rejects_rows_that_need_the_full_sampler():
+    eos = (2,)
+    for sp in (dict(temperature=0.7), dict(temperature=0.0, repetition_penalty=1.1),
+               dict(temperature=0.0, frequency_penalty=0.5),
+               dict(temperature=0.0, presence_penalty=-0.5),
+               dict(temperature=0.0, logit_bias={"3": 2.0}),
+               dict(temperature=0.0, min_new_tokens=2),  # EOS banned below min_new_tokens
+               dict(temperature=0.0, min_new_tokens=2, ignore_eos=True, stop_token_ids=[4])):
+        assert not plain_greedy([make_req(top_k=1), make_req(**sp)], eos), sp
+    lp = make_req(temperature=0.0)
+    lp.return_logprob = True
+    assert not plain_greedy([lp], eos)
+    # the EOS ban only matters when the model has EOS ids
+    assert plain_greedy([make_req(temperature=0.0, min_new_tokens=2)], ())
 
 
 def _generate(sampler, logits_fn, seeded, others, steps, device):
