@@ -237,6 +237,7 @@ def test_50_updates_do_not_grow_memory(server, client, ckpt_b):
         assert client.update_weights_from_tensor(payloads[i % 2])["success"]
     grown = (_rss_kb(engine_pid) - base[0], _rss_kb(server.proc.pid) - base[1])
     assert grown[0] < 16 * 1024 and grown[1] < 16 * 1024, grown  # KiB
+    assert client.update_weights_from_tensor(_named(STORIES), weight_version="A")["success"]
 
 
 def test_update_weight_version_shows_everywhere(server, client):
