@@ -99,7 +99,7 @@ def main() -> None:
     print(f"model={args.model_path or 'SmolLM2-135M-Instruct (GGUF)'} prompts={len(prompts)} "
           f"input_tokens={sum(map(len, prompts))} max_new_tokens={args.max_new_tokens} "
           f"threads={torch.get_num_threads()}")
-    print(f"| engine | output tokens | seconds | output tok/s |\n|---|---|---|---|")
+    print("| engine | output tokens | seconds | output tok/s |\n|---|---|---|---|")
     for name, toks, secs in rows:
         print(f"| {name} | {toks} | {secs:.2f} | {toks / secs:.1f} |")
 

@@ -157,3 +157,17 @@ def find_stop(text: str, stop_strs: list[str], search_from: int) -> tuple[int, s
         if idx != -1 and (best is None or idx < best[0]):
             best = (idx, stop)
     return best
+
+
+def stop_prefix_len(text: str, stop_strs: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string.
+
+    A stream holds that suffix back: it may grow into a stop string, which is then trimmed,
+    so a client never sees text that the final answer does not have."""
+    best = 0
+    for stop in stop_strs:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best

@@ -58,9 +58,6 @@ class SeqState:
     # the delta of the latest update (what a streaming OpenAI chunk carries)
     last_text_delta: str = ""
     last_ids_delta: list[int] = field(default_factory=list)
-    # stop strings to trim (empty with no_stop_trim) and all text received from the engine
-    stops: list[str] = field(default_factory=list)
-    raw_text: str = ""
 
     @property
     def e2e_latency(self) -> float:
@@ -71,17 +68,9 @@ class SeqState:
         now = time.time()
         if out.new_output_ids and self.first_token_time is None:
             self.first_token_time = now
-        self.raw_text += out.new_text
-        fr = out.finish_reason or {}
-        if out.finished:
-            matched = fr.get("matched") if fr.get("type") == "stop" else None
-            cut = stop_prefix_len(self.raw_text, [matched] if isinstance(matched, str)
-                                  and self.stops else [])
-        else:
-            cut = stop_prefix_len(self.raw_text, self.stops)
-        visible = self.raw_text[:len(self.raw_text) - cut]
-        self.last_text_delta = visible[len(self.text):]
-        self.text = visible
+        # the engine holds back possible stop-string prefixes, so deltas are final text
+        self.text += out.new_text
+        self.last_text_delta = out.new_text
         self.output_ids.extend(out.new_output_ids)
         self.last_ids_delta = list(out.new_output_ids)
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
@@ -95,20 +84,6 @@ class SeqState:
         self.input_top_logprobs.extend(out.input_top_logprobs)
         if out.finished:
             self.finished, self.finish_reason, self.finished_time = True, out.finish_reason, now
-
-
-def stop_prefix_len(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string.
-
-    While streaming, that suffix is held back (it may become a stop string, which is trimmed);
-    at a stop-string finish it is text the engine sent before it saw the whole stop."""
-    best = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:k]):
-                best = k
-                break
-    return best
 
 
 class GenerationService:
@@ -173,9 +148,7 @@ class GenerationService:
         closed early, cancelled or fails.
         """
         queue: asyncio.Queue = asyncio.Queue()
-        states = {r.rid: SeqState(rid=r.rid, index=i, prompt_tokens=len(r.input_ids),
-                                  stops=[] if r.sampling_params.no_stop_trim
-                                  else r.sampling_params.stop_strs)
+        states = {r.rid: SeqState(rid=r.rid, index=i, prompt_tokens=len(r.input_ids))
                   for i, r in enumerate(reqs)}
         log = self.metrics if all(r.log_metrics for r in reqs) else None
         submitted: list[str] = []

@@ -12,7 +12,7 @@ import torch
 
 from engine.io_struct import GenerateReqInput, ReqOutput
 from engine.runner.sampler import SampleOutput, compute_prompt_logprobs
-from engine.tokenizer import IncrementalDetokenizer, find_stop
+from engine.tokenizer import IncrementalDetokenizer, find_stop, stop_prefix_len
 from engine.types import FinishReason, Req, SamplingParams
 
 
@@ -106,7 +106,11 @@ def make_output(req: Req, weight_version: str, final: bool) -> ReqOutput:
             req.text += req.detok.flush()
         req.weight_version = weight_version
     ids = req.output_ids[req.num_sent_ids:]
-    text = req.text[req.num_sent_text:]
+    end = len(req.text)
+    if not final and not req.sampling_params.no_stop_trim:
+        end -= stop_prefix_len(req.text, req.sampling_params.stop_strs)
+    end = max(end, req.num_sent_text)
+    text = req.text[req.num_sent_text:end]
     lp_from = req.num_sent_logprobs
     out = ReqOutput(
         rid=req.rid, new_output_ids=ids, new_text=text, finished=final,
@@ -119,6 +123,6 @@ def make_output(req: Req, weight_version: str, final: bool) -> ReqOutput:
         input_token_logprobs=req.input_token_logprobs if req.num_sent_ids == 0 else [],
         input_top_logprobs=req.input_top_logprobs if req.num_sent_ids == 0 else [])
     req.num_sent_ids = len(req.output_ids)
-    req.num_sent_text = len(req.text)
+    req.num_sent_text = end
     req.num_sent_logprobs = len(req.output_token_logprobs)
     return out

@@ -153,3 +153,27 @@ def test_prompt_and_output_logprobs(engine):
     assert [t for _, t in m["output_token_logprobs"]] == out["output_ids"]
     # greedy: each chosen token is the top-1 alternative
     assert [top[0][1] for top in m["output_top_logprobs"]] == out["output_ids"]
+
+
+def test_stop_prefix_len():
+    from engine.tokenizer import stop_prefix_len
+    assert stop_prefix_len(", there was a little gir", [" girl"]) == 4
+    assert stop_prefix_len("abc", ["xyz", "cd"]) == 1
+    assert stop_prefix_len("abc", []) == 0
+    assert stop_prefix_len("a", ["a"]) == 0  # a whole stop string is trimmed, not held
+
+
+def test_stream_never_shows_a_stop_prefix_that_is_later_trimmed(engine):
+    import asyncio
+
+    async def collect():
+        deltas = []
+        async for out in engine.async_generate("Once upon a time",
+                                               {**GREEDY, "stop": " girl named"}):
+            deltas.append(out.new_text)
+        return deltas
+
+    deltas = asyncio.run(collect())
+    assert "".join(deltas) == ", there was a little"
+    # " girl" was held back while it could still become the stop string
+    assert all("gir" not in d for d in deltas)

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.io_struct import ReqOutput
 from engine.types import InvalidRequestError
 from server.args import parse_args
-from server.generation import SeqState, stop_prefix_len
 from server.metrics import ServerMetrics
 from server.schemas import ChatCompletionRequest, GenerateRequest, parse_body
 
@@ -25,31 +23,6 @@ def test_parse_body_names_the_bad_field():
     assert str(e.value).startswith("messages.0.content")
     body = parse_body(GenerateRequest, b'{"input_ids": [[1, 2], [3]], "unknown": 1}')
     assert body.input_ids == [[1, 2], [3]]
-
-
-def test_stop_prefix_len():
-    assert stop_prefix_len(", there was a little gir", [" girl"]) == 4
-    assert stop_prefix_len("abc", ["xyz", "cd"]) == 1
-    assert stop_prefix_len("abc", []) == 0
-    assert stop_prefix_len("a", ["a"]) == 0  # a whole stop string is the engine's to trim
-
-
-def _out(text: str, finished: bool = False, reason=None) -> ReqOutput:
-    return ReqOutput("r", [1] * len(text), text, finished, reason, 3, 0, 0, "default")
-
-
-def test_stream_holds_back_a_possible_stop_and_trims_it_at_finish():
-    st = SeqState(rid="r", index=0, prompt_tokens=3, stops=[" girl"])
-    st.apply(_out(", there"))
-    assert st.text == ", there" and st.last_text_delta == ", there"
-    st.apply(_out(" gir"))
-    assert st.text == ", there" and st.last_text_delta == ""
-    st.apply(_out("", finished=True, reason={"type": "stop", "matched": " girl"}))
-    assert st.text == ", there" and st.finished
-    st = SeqState(rid="r", index=0, prompt_tokens=3, stops=[" girl"])
-    st.apply(_out(" gi"))
-    st.apply(_out("ft", finished=True, reason={"type": "length", "length": 5}))
-    assert st.text == " gift" and st.last_text_delta == " gift"
 
 
 def test_flags_map_onto_engine_args():
