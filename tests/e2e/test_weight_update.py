@@ -190,7 +190,10 @@ def test_pause_update_continue_with_32_streams(server, client, engines, ckpt_b, 
     fins = [x["meta_info"]["finish_reason"] for x in last]
     assert all(f["type"] == "length" for f in fins), fins
     assert all(len(x["output_ids"]) == max_new for x in last)
-    assert all(x["meta_info"]["weight_version"] == f"paused-{mode}" for x in last)
+    # every request unfinished at the pause finished under the new version (under load a
+    # fast one may have finished before the pause took effect)
+    assert all(last[i]["meta_info"]["weight_version"] == f"paused-{mode}"
+               for i in range(n) if len(snap[i]) < max_new)
     resumed = [i for i in range(n) if 0 < len(snap[i]) < max_new]
     assert resumed
     if mode == "retract":  # KV recomputed with B: exactly B's continuation of the prefix
