@@ -24,6 +24,7 @@ from engine.runner.sampler import (SampleOutput, Sampler, SamplingBatchInfo, gre
                                    plain_greedy)
 from engine.scheduler import output
 from engine.scheduler.prefix_cache import RadixCache
+from engine.scheduler.req_memory import ReqMemory
 from engine.types import FinishReason, ForwardMode, InvalidRequestError, Req, ReqStatus
 from engine.weights.updater import WeightUpdater
 
@@ -56,6 +57,7 @@ class Scheduler:
         self.req_pool = runner.req_to_token_pool
         self.page_size = runner.page_size
         self.tree = RadixCache(self.allocator, self.page_size, args.disable_radix_cache)
+        self.mem = ReqMemory(self.allocator, self.req_pool, self.tree, self.page_size)
         self.sampler = Sampler(args.random_seed)
         self.context_len = runner.context_len
         self.max_running = runner.max_running_requests
@@ -112,7 +114,7 @@ class Scheduler:
 
         for queue, req in [(qu, q) for qu in (self.waiting, self.held) for q in qu if hit(q)]:
             queue.remove(req)
-            self._release(req)
+            self.mem.release(req)
             req.finish_reason = FinishReason("abort", message="Abort in waiting queue")
             self.pending.append(output.make_output(req, self.weight_version, final=True))
         for req in self.running:
@@ -130,7 +132,7 @@ class Scheduler:
         for req in [q for q in self.running if q.to_abort is not None]:
             self.running.remove(req)
             req.finish_reason = req.to_abort
-            self._release(req)
+            self.mem.release(req)
             outs.append(output.make_output(req, self.weight_version, final=True))
         if self.paused:
             return outs
@@ -142,7 +144,7 @@ class Scheduler:
     def _schedule(self) -> tuple[list[Req], list[int], ForwardMode]:
         reqs, lens, budget = [], [], self.chunk_budget
         for req in [q for q in self.running if q.seq_len - q.num_computed_tokens > 1]:
-            n = self._alloc_extend(req, budget)
+            n = self.mem.alloc_extend(req, budget)
             if n == 0:
                 break
             reqs.append(req)
@@ -150,13 +152,19 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
-            if not self._admit(req):
+            if not self.mem.admit(req):
                 break
-            n = self._alloc_extend(req, budget)
+            hit = req.num_cached_in_tree
+            n = self.mem.alloc_extend(req, budget)
             if n == 0:
-                self._release(req)
+                self.mem.release(req)
                 break
             self.waiting.popleft()
+            if req.total_retractions == 0:  # recompute hits are not the client's cache hits
+                req.cached_tokens = hit
+                if req.log_metrics:
+                    self.stats["prompt_tokens"] += len(req.origin_input_ids)
+                    self.stats["cache_hit_tokens"] += hit
             req.status = ReqStatus.RUNNING
             self.running.append(req)
             reqs.append(req)
@@ -174,51 +182,6 @@ class Scheduler:
                     "abort", message="KV cache too small for this request", status_code=400)
         return decode, [1] * len(decode), ForwardMode.DECODE
 
-    def _admit(self, req: Req) -> bool:
-        """Give a waiting request a req_to_token row and its cached prefix."""
-        row = self.req_pool.alloc()
-        if row is None:
-            return False
-        req.req_pool_idx = row
-        key = req.fill_ids[:-1]
-        if req.return_logprob and req.logprob_start_len >= 0 and not req.prompt_logprobs_done:
-            key = key[:max(0, req.logprob_start_len - 1)]  # those positions need logits
-        slots, node = self.tree.match_prefix(key)
-        self.tree.lock(node)
-        req.prefix_node = node
-        req.kv_slots = list(slots)
-        req.num_computed_tokens = req.num_cached_in_tree = len(slots)
-        if req.total_retractions == 0:  # recompute hits are not the client's cache hits
-            req.cached_tokens = len(slots)
-            if req.log_metrics:
-                self.stats["prompt_tokens"] += len(req.origin_input_ids)
-                self.stats["cache_hit_tokens"] += len(slots)
-        if slots:
-            self.req_pool.req_to_token[row, :len(slots)] = torch.tensor(slots, dtype=torch.int32)
-        return True
-
-    def _alloc_slots(self, req: Req, n: int) -> bool:
-        seq = req.num_computed_tokens
-        last = req.kv_slots[seq - 1] if seq else 0
-        slots = self.allocator.alloc(seq, last, n)
-        if slots is None:
-            self.tree.evict(self.allocator.pages_needed(seq, n) * self.page_size)
-            slots = self.allocator.alloc(seq, last, n)
-        if slots is None:
-            return False
-        req.kv_slots[seq:] = slots
-        # req_to_token[row, seq:seq + n] is written on the device by ModelRunner.forward from
-        # the batch's out_cache_loc (one kernel per step instead of one H2D copy per request)
-        return True
-
-    def _alloc_extend(self, req: Req, budget: int) -> int:
-        """Allocate KV for the next chunk of ``req`` (at most ``budget`` tokens, shrunk to
-        what memory allows). Returns the chunk length, 0 if nothing fits."""
-        n = min(req.seq_len - req.num_computed_tokens, budget)
-        while n > 0 and not self._alloc_slots(req, n):
-            n //= 2
-        return n
-
     def _alloc_decode(self, reqs: list[Req]) -> list[Req]:
         """One KV slot per decoding request; on shortage retract the newest requests (their
         computed KV goes to the prefix cache, they recompute later). A request alone that
@@ -226,7 +189,7 @@ class Scheduler:
         ok, pending = [], list(reqs)
         while pending:
             req = pending[0]
-            if self._alloc_slots(req, 1):
+            if self.mem.alloc_slots(req, 1):
                 ok.append(pending.pop(0))
                 continue
             victim = pending.pop()
@@ -240,29 +203,10 @@ class Scheduler:
     def _retract(self, req: Req) -> None:
         logger.info("retracting %s (KV cache full)", req.rid)
         self.running.remove(req)
-        self._release(req)
+        self.mem.release(req)
         req.status = ReqStatus.WAITING
         req.total_retractions += 1
         self.waiting.appendleft(req)
-
-    def _release(self, req: Req) -> None:
-        """Return ``req``'s KV: computed page-aligned tokens go to the prefix cache (the tree
-        keeps one copy; duplicates and the unaligned tail are freed), the row is freed."""
-        if req.req_pool_idx is None:
-            return
-        n = req.num_computed_tokens
-        slots = req.kv_slots
-        aligned = n // self.page_size * self.page_size
-        own_from = req.num_cached_in_tree
-        if not self.tree.disabled and aligned > 0:
-            dup = self.tree.insert(req.fill_ids[:aligned], slots[:aligned])
-            self.allocator.free(slots[own_from:max(own_from, dup)])
-            own_from = aligned
-        self.allocator.free(slots[own_from:])
-        self.tree.unlock(req.prefix_node)
-        self.req_pool.free(req.req_pool_idx)
-        req.req_pool_idx, req.prefix_node, req.kv_slots = None, None, []
-        req.num_computed_tokens = req.num_cached_in_tree = 0
 
     def _run(self, reqs: list[Req], ext_lens: list[int], mode: ForwardMode) -> list[ReqOutput]:
         ids, pos, locs, prefix, logit_rows, plan = [], [], [], [], [], []
@@ -319,7 +263,7 @@ class Scheduler:
                     self.stats["generation_tokens"] += len(req.output_ids) - n_before
                 if finished:
                     self.running.remove(req)
-                    self._release(req)
+                    self.mem.release(req)
                     req.status = ReqStatus.FINISHED
                     outs.append(output.make_output(req, self.weight_version, final=True))
                 elif req.stream:
