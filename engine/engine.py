@@ -8,7 +8,6 @@ thread; ``async_generate`` streams one request while a background thread steps t
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
@@ -96,7 +95,7 @@ class Engine:
             for j in range(sp.n):
                 r = f"{base}_{i}" if batch else base
                 r = f"{r}_{j}" if sp.n > 1 else r
-                reqs.append(GenerateReqInput(r, toks, dataclasses.replace(sp), **kw))
+                reqs.append(GenerateReqInput(r, toks, sp.for_sample(j), **kw))
         return reqs
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params=None,

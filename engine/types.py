@@ -6,7 +6,9 @@ Sampling defaults and valid ranges follow SGLang's ``SamplingParams``
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,8 +83,9 @@ class SamplingParams:
 
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                      "repetition_penalty"):
-            if not is_num(getattr(self, name)):
-                raise InvalidRequestError(f"sampling_params.{name}", "must be a number")
+            v = getattr(self, name)
+            if not is_num(v) or not math.isfinite(v):
+                raise InvalidRequestError(f"sampling_params.{name}", "must be a finite number")
         for name in ("max_new_tokens", "top_k", "min_new_tokens", "n"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
@@ -121,9 +124,9 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise InvalidRequestError(f + name, f"must be in [-2, 2], got {getattr(self, name)}")
-        if not 0 <= self.repetition_penalty <= 2:
+        if not 0 < self.repetition_penalty <= 2:  # 0 would divide logits by zero
             raise InvalidRequestError(f + "repetition_penalty",
-                                      f"must be in [0, 2], got {self.repetition_penalty}")
+                                      f"must be in (0, 2], got {self.repetition_penalty}")
         if self.max_new_tokens < 0:
             raise InvalidRequestError(f + "max_new_tokens",
                                       f"must be >= 0, got {self.max_new_tokens}")
@@ -142,6 +145,12 @@ class SamplingParams:
                 raise InvalidRequestError(f + "logit_bias", f"key {k!r} is not a token id")
             if not 0 <= tid < vocab_size:
                 raise InvalidRequestError(f + "logit_bias", f"token id {tid} outside vocabulary")
+
+    def for_sample(self, j: int) -> "SamplingParams":
+        """The params of sample ``j`` of an ``n``-way request: ``n`` = 1, and a given
+        ``sampling_seed`` offset by ``j`` so the samples differ yet are reproducible as a set."""
+        seed = None if self.sampling_seed is None else self.sampling_seed + j
+        return dataclasses.replace(self, n=1, sampling_seed=seed)
 
     @property
     def is_greedy(self) -> bool:

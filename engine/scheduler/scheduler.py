@@ -119,7 +119,7 @@ class Scheduler:
             self.pending.append(output.make_output(req, self.weight_version, final=True))
         for req in self.running:
             if hit(req):
-                req.to_abort = FinishReason("abort", message="Abort before decode")
+                req.to_abort = FinishReason("abort", message="Aborted while running")
 
     @property
     def busy(self) -> bool:

@@ -46,7 +46,9 @@ async def server_info(request: Request) -> dict[str, Any]:
             pass
     ready = state.client.ready_msg
     return {**state.args.to_info_dict(), "internal_states": internal, "version": _version(),
-            "status": state.status.value, "engine_pid": state.client.engine_pid,
+            "status": (state.status.value if state.client.engine_alive
+                       or state.client.ready_msg is None else "unhealthy"),
+            "engine_pid": state.client.engine_pid,
             "engine_alive": state.client.engine_alive,
             "num_pending_requests": state.client.num_pending,
             "max_total_num_tokens": ready.max_total_num_tokens if ready else None,

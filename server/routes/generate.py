@@ -7,7 +7,6 @@ A single prompt answers one object; a batch (list ``text`` / list-of-lists ``inp
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import aclosing
 from typing import Any, AsyncIterator
 
@@ -84,7 +83,7 @@ def build_requests(service: GenerationService, body: GenerateRequest
             else:
                 rid = f"{base}_{len(reqs)}" if expand else base
             reqs.append(GenerateReqInput(
-                rid=rid, input_ids=ids, sampling_params=dataclasses.replace(sp, n=1),
+                rid=rid, input_ids=ids, sampling_params=sp.for_sample(j),
                 return_logprob=want, top_logprobs_num=top if want else 0,
                 logprob_start_len=start, stream=body.stream))
     return reqs, expand

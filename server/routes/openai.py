@@ -6,7 +6,6 @@ Errors use OpenAI's error object; ``param`` names the OpenAI field (``max_tokens
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator
@@ -54,9 +53,8 @@ def _expand(prompts: list[list[int]], sp: SamplingParams, rid: str, logprob: boo
             top: int, stream: bool) -> list[GenerateReqInput]:
     n = sp.n
     single = len(prompts) * n == 1
-    one = dataclasses.replace(sp, n=1)
     return [GenerateReqInput(rid=rid if single else f"{rid}_{i * n + j}", input_ids=ids,
-                             sampling_params=one, return_logprob=logprob,
+                             sampling_params=sp.for_sample(j), return_logprob=logprob,
                              top_logprobs_num=top if logprob else 0, stream=stream)
             for i, ids in enumerate(prompts) for j in range(n)]
 

@@ -177,3 +177,24 @@ def test_stream_never_shows_a_stop_prefix_that_is_later_trimmed(engine):
     assert "".join(deltas) == ", there was a little"
     # " girl" was held back while it could still become the stop string
     assert all("gir" not in d for d in deltas)
+
+
+@pytest.mark.parametrize("sp, field", [
+    ({"temperature": float("nan")}, "sampling_params.temperature"),
+    ({"temperature": float("inf")}, "sampling_params.temperature"),
+    ({"repetition_penalty": 0.0}, "sampling_params.repetition_penalty"),
+])
+def test_non_finite_or_degenerate_sampling_values_are_rejected(engine, sp, field):
+    with pytest.raises(InvalidRequestError) as err:
+        engine.generate("The dog", {"max_new_tokens": 4, **sp})
+    assert err.value.field == field
+
+
+def test_seeded_n_samples_differ_but_repeat_as_a_set(engine):
+    sp = {"temperature": 1.0, "max_new_tokens": 12, "n": 3, "sampling_seed": 42}
+    first = [o["output_ids"] for o in engine.generate("The dog", sp)]
+    assert len({tuple(x) for x in first}) == 3
+    assert [o["output_ids"] for o in engine.generate("The dog", sp)] == first
+    # sample 0 of the set is the plain seeded request
+    single = engine.generate("The dog", {**sp, "n": 1})["output_ids"]
+    assert first[0] == single
