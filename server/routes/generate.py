@@ -7,6 +7,8 @@ A single prompt answers one object; a batch (list ``text`` / list-of-lists ``inp
 
 from __future__ import annotations
 
+import asyncio
+
 from contextlib import aclosing
 from typing import Any, AsyncIterator
 
@@ -126,7 +128,8 @@ async def generate(request: Request) -> Any:
     the field), 503 while starting or if the engine died."""
     body = parse_body(GenerateRequest, await request.body())
     service = ready_service(request)
-    reqs, is_batch = build_requests(service, body)
+    # tokenizing a long prompt takes seconds: off the event loop, so health probes still answer
+    reqs, is_batch = await asyncio.to_thread(build_requests, service, body)
     with_text = body.return_text_in_logprobs
     if body.stream:
         return SSEResponse(_stream(service, reqs, is_batch, with_text))

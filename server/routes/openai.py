@@ -6,6 +6,7 @@ Errors use OpenAI's error object; ``param`` names the OpenAI field (``max_tokens
 
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator
@@ -75,12 +76,12 @@ async def completions(request: Request) -> Any:
     service = ready_service(request)
     model = _check_model(request, body.model)
     p = body.prompt
-    if isinstance(p, str):
-        prompts = [service.encode(p, "prompt")]
+    if isinstance(p, str):  # tokenize off the event loop (long prompts take seconds)
+        prompts = [await asyncio.to_thread(service.encode, p, "prompt")]
     elif not p:
         raise InvalidRequestError("prompt", "prompt is empty")
     elif isinstance(p[0], str):
-        prompts = [service.encode(t, "prompt") for t in p]
+        prompts = [await asyncio.to_thread(service.encode, t, "prompt") for t in p]
     elif isinstance(p[0], int):
         prompts = [list(p)]
     else:
@@ -133,7 +134,7 @@ async def chat_completions(request: Request) -> Any:
 
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
-        ids = apply_chat_template(service.tokenizer, messages)
+        ids = await asyncio.to_thread(apply_chat_template, service.tokenizer, messages)
     except Exception as e:
         raise InvalidRequestError("messages", f"chat template failed: {e}") from None
     ids = service.check_prompt(list(ids), "messages")
