@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
+from tests.conftest import SHARED
 from engine.weights import gguf_loader
 from engine.weights.gguf_loader import (default_model_path, find_gguf, gguf_to_hf_config,
                                         iter_gguf_tensors, unpermute_qk)
 
-SHARED_CONFIG = "/work/shared/models/smollm2-135m-instruct/config.json"
+SHARED_CONFIG = os.path.join(SHARED, "models", "smollm2-135m-instruct", "config.json")
 CONFIG_KEYS = ["architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings",

@@ -14,8 +14,10 @@ import pytest
 from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, find_stop, load_tokenizer
 from engine.weights.gguf_loader import default_model_path
 
+from tests.conftest import SHARED  # noqa: E402
+
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "stories260K")
-SMOLLM2_HF = "/work/shared/models/smollm2-135m-instruct"
+SMOLLM2_HF = os.path.join(SHARED, "models", "smollm2-135m-instruct")
 MULTIBYTE = "naïve café 日本語 😀"
 REPLACEMENT = "\ufffd"
 
