@@ -33,7 +33,13 @@ def usage(states: list[SeqState], n: int) -> dict[str, Any]:
 
 
 def _tok(tokenizer: Any, tid: int) -> str:
-    return tokenizer.decode([int(tid)])
+    """The text of one token as it reads inside a sequence. Decoding it alone would drop a
+    SentencePiece token's leading space ("▁upon" -> "upon"), so decode it after an anchor token
+    and cut the anchor's text off."""
+    anchor = tokenizer.encode("a", add_special_tokens=False)[-1:]
+    head = tokenizer.decode(anchor)
+    both = tokenizer.decode(anchor + [int(tid)])
+    return both[len(head):] if both.startswith(head) else tokenizer.decode([int(tid)])
 
 
 def completion_logprobs(tokenizer: Any, pairs: list, tops: list, offset0: int = 0

@@ -40,3 +40,13 @@ def test_each_server_has_its_own_metrics_registry():
     a.observe_finished(5, 7, 0, 0.1, aborted=False)
     assert b"sglang:num_requests_total{model_name=\"m\"} 1.0" in a.render()
     assert b"sglang:num_requests_total{model_name=\"m\"} 1.0" not in b.render()
+
+
+def test_logprob_token_text_keeps_sentencepiece_leading_space():
+    from engine.tokenizer import load_tokenizer
+    from server.openai_format import completion_logprobs
+    from tests.conftest import STORIES
+    tok = load_tokenizer(STORIES)
+    ids = tok.encode("a time", add_special_tokens=False)  # "▁a", "▁time"
+    lp = completion_logprobs(tok, [(-0.5, t) for t in ids], [], 0)
+    assert lp["tokens"] == [" a", " time"] and lp["text_offset"] == [0, 2]
