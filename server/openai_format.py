@@ -52,7 +52,8 @@ def completion_logprobs(tokenizer: Any, pairs: list, tops: list, offset0: int = 
         offsets.append(pos)
         pos += len(t)
     top = [{_tok(tokenizer, tid): float(lp) for lp, tid in pos_list} for pos_list in tops]
-    return {"tokens": tokens, "token_logprobs": [float(lp) for lp, _ in pairs],
+    return {"tokens": tokens,
+            "token_logprobs": [None if lp is None else float(lp) for lp, _ in pairs],
             "top_logprobs": top or None, "text_offset": offsets}
 
 
@@ -69,13 +70,19 @@ def chat_logprobs(tokenizer: Any, pairs: list, tops: list) -> dict[str, Any]:
 
 
 def completion_response(rid: str, created: int, model: str, states: list[SeqState], n: int,
-                        tokenizer: Any, want_logprobs: bool, weight_version: str
-                        ) -> dict[str, Any]:
+                        tokenizer: Any, want_logprobs: bool, weight_version: str,
+                        echo: list[str] | None = None) -> dict[str, Any]:
+    """The non-streamed completions answer. ``echo``: per prompt, its text, put before each
+    choice's text; its tokens (logprob None for the first) then lead the logprobs too."""
     choices = []
     for i, st in enumerate(states):
-        lp = (completion_logprobs(tokenizer, st.output_token_logprobs, st.output_top_logprobs)
-              if want_logprobs else None)
-        choices.append({"index": i, "text": st.text, "logprobs": lp,
+        head = echo[i // n] if echo is not None else ""
+        pairs, tops = st.output_token_logprobs, st.output_top_logprobs
+        if echo is not None:
+            pairs = st.input_token_logprobs + pairs
+            tops = (st.input_top_logprobs + tops) if tops else []
+        lp = completion_logprobs(tokenizer, pairs, tops) if want_logprobs else None
+        choices.append({"index": i, "text": head + st.text, "logprobs": lp,
                         "finish_reason": finish_reason(st), "matched_stop": matched_stop(st)})
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage(states, n),

@@ -51,12 +51,13 @@ def _check_model(request: Request, model: str | None) -> str:
 
 
 def _expand(prompts: list[list[int]], sp: SamplingParams, rid: str, logprob: bool,
-            top: int, stream: bool) -> list[GenerateReqInput]:
+            top: int, stream: bool, prompt_logprobs: bool = False) -> list[GenerateReqInput]:
     n = sp.n
     single = len(prompts) * n == 1
     return [GenerateReqInput(rid=rid if single else f"{rid}_{i * n + j}", input_ids=ids,
                              sampling_params=sp.for_sample(j), return_logprob=logprob,
-                             top_logprobs_num=top if logprob else 0, stream=stream)
+                             top_logprobs_num=top if logprob else 0, stream=stream,
+                             logprob_start_len=0 if prompt_logprobs else -1)
             for i, ids in enumerate(prompts) for j in range(n)]
 
 
@@ -90,9 +91,17 @@ async def completions(request: Request) -> Any:
     sp = _sampling(service, body, body.max_tokens)
     if body.logprobs is not None and body.logprobs < 0:
         raise InvalidRequestError("logprobs", f"must be >= 0, got {body.logprobs}")
+    if body.echo and body.stream:
+        raise InvalidRequestError("echo", "echo with stream is not supported")
     rid = body.rid or service.new_rid()
     want_lp = body.logprobs is not None
-    reqs = _expand(prompts, sp, rid, want_lp, body.logprobs or 0, body.stream)
+    reqs = _expand(prompts, sp, rid, want_lp, body.logprobs or 0, body.stream,
+                   prompt_logprobs=body.echo and want_lp)
+    # echo: the prompt text leads each choice (as given, or decoded from token ids)
+    echo = None
+    if body.echo:
+        echo = ([p] if isinstance(p, str) else list(p) if isinstance(p[0], str)
+                else [service.tokenizer.decode(ids) for ids in prompts])
     oid, created = f"cmpl-{rid}", int(time.time())
     wv = get_state(request).weight_version
     if body.stream:
@@ -101,7 +110,7 @@ async def completions(request: Request) -> Any:
                                                usage, sp.n))
     states = await _collect(service, reqs, request)
     return JSONResponse(fmt.completion_response(oid, created, model, states, sp.n,
-                                                service.tokenizer, want_lp, wv))
+                                                service.tokenizer, want_lp, wv, echo))
 
 
 async def _stream_completions(service: GenerationService, reqs: list[GenerateReqInput],

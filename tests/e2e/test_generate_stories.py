@@ -199,3 +199,19 @@ def test_metrics_counters_match_requests(stories_server):
     assert after["sglang:num_running_reqs"] == 0
     for gauge in ("sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate"):
         assert gauge in after
+
+
+def test_completions_echo_prepends_prompt_and_its_logprobs(stories_server):
+    body = {"model": "default", "prompt": "Once upon a time", "max_tokens": 3,
+            "temperature": 0, "logprobs": 1, "echo": True}
+    r = httpx.post(stories_server.url + "/v1/completions", json=body, timeout=60).json()
+    choice = r["choices"][0]
+    assert choice["text"] == "Once upon a time, there was"
+    lp = choice["logprobs"]
+    # BOS + 4 prompt tokens, then 3 output tokens; nothing predicts the first token
+    assert len(lp["tokens"]) == 8 and lp["token_logprobs"][0] is None
+    assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
+    assert lp["tokens"][-3:] == [",", " there", " was"]
+    bad = httpx.post(stories_server.url + "/v1/completions", json={**body, "stream": True},
+                     timeout=60)
+    assert bad.status_code == 400 and "echo" in bad.text
