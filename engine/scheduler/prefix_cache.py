@@ -39,7 +39,9 @@ class RadixCache:
     def reset(self) -> None:
         self.root = _Node(None, [], [], 0)
         self.root.lock_ref = 1
-        self.cached_tokens = 0  # slots owned by the tree
+        # slots in unpinned nodes, kept up to date by insert/lock/unlock/evict so the per-step
+        # KV-usage gauge needs no walk over the tree
+        self.evictable_tokens = 0
 
     def _child_key(self, key: list[int], start: int) -> tuple[int, ...]:
         return tuple(key[start:start + self.page_size])
@@ -91,17 +93,21 @@ class RadixCache:
         if pos < len(key):
             leaf = _Node(node, key[pos:], list(slots[pos:]), next(self._clock))
             node.children[self._child_key(key, pos)] = leaf
-            self.cached_tokens += len(key) - pos
+            self.evictable_tokens += len(leaf.value)
         return pos
 
     def lock(self, node: _Node) -> None:
         while node is not None:
+            if node.lock_ref == 0:
+                self.evictable_tokens -= len(node.value)
             node.lock_ref += 1
             node = node.parent
 
     def unlock(self, node: _Node) -> None:
         while node is not None:
             node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_tokens += len(node.value)
             node = node.parent
 
     def evict(self, num_tokens: int) -> int:
@@ -116,16 +122,12 @@ class RadixCache:
             _, _, leaf = heapq.heappop(leaves)
             self.allocator.free(leaf.value)
             freed += len(leaf.value)
-            self.cached_tokens -= len(leaf.value)
+            self.evictable_tokens -= len(leaf.value)
             parent = leaf.parent
             del parent.children[self._child_key(leaf.key, 0)]
             if not parent.children and parent.lock_ref == 0 and parent is not self.root:
                 heapq.heappush(leaves, (parent.last_access, parent.value[0], parent))
         return freed
-
-    @property
-    def evictable_tokens(self) -> int:
-        return sum(len(n.value) for n in self._all_nodes() if n.lock_ref == 0)
 
     def _all_nodes(self):
         stack = [self.root]
