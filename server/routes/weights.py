@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import functools
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -110,16 +111,22 @@ async def _control(request: Request, method: str, abort_all: bool = False,
     return _result(resp.success, resp.message)
 
 
-def _invalid(e: InvalidRequestError) -> JSONResponse:
-    return _result(False, str(e))
+def _answers_invalid(route):
+    """Turn an ``InvalidRequestError`` (a bad body) into SGLang's ``{success: false}`` 400,
+    the envelope of every weight route."""
+    @functools.wraps(route)
+    async def wrapper(request: Request):
+        try:
+            return await route(request)
+        except InvalidRequestError as e:
+            return _result(False, str(e))
+    return wrapper
 
 
 @router.post("/update_weights_from_tensor")
+@_answers_invalid
 async def update_weights_from_tensor(request: Request) -> JSONResponse:
-    try:
-        body = await _parse(UpdateFromTensorRequest, request)
-    except InvalidRequestError as e:
-        return _invalid(e)
+    body = await _parse(UpdateFromTensorRequest, request)
     tp = get_state(request).args.engine.tp_size
     if len(body.serialized_named_tensors) != tp:
         return _result(False, f"serialized_named_tensors: expected one entry per TP rank "
@@ -136,11 +143,9 @@ async def update_weights_from_tensor(request: Request) -> JSONResponse:
 
 
 @router.post("/update_weights_from_disk")
+@_answers_invalid
 async def update_weights_from_disk(request: Request) -> JSONResponse:
-    try:
-        body = await _parse(UpdateFromDiskRequest, request)
-    except InvalidRequestError as e:
-        return _invalid(e)
+    body = await _parse(UpdateFromDiskRequest, request)
     resp = await _control(request, "update_weights_from_disk", body.abort_all_requests, True,
                           model_path=body.model_path, load_format=body.load_format,
                           flush_cache=body.flush_cache, weight_version=body.weight_version)
@@ -154,30 +159,24 @@ async def update_weights_from_disk(request: Request) -> JSONResponse:
 
 
 @router.post("/init_weights_update_group")
+@_answers_invalid
 async def init_weights_update_group(request: Request) -> JSONResponse:
-    try:
-        body = await _parse(InitGroupRequest, request)
-    except InvalidRequestError as e:
-        return _invalid(e)
+    body = await _parse(InitGroupRequest, request)
     return await _control(request, "init_weights_update_group", writer=True,
                           **body.model_dump())
 
 
 @router.post("/destroy_weights_update_group")
+@_answers_invalid
 async def destroy_weights_update_group(request: Request) -> JSONResponse:
-    try:
-        body = await _parse(DestroyGroupRequest, request, default_empty=True)
-    except InvalidRequestError as e:
-        return _invalid(e)
+    body = await _parse(DestroyGroupRequest, request, default_empty=True)
     return await _control(request, "destroy_weights_update_group", **body.model_dump())
 
 
 @router.post("/update_weights_from_distributed")
+@_answers_invalid
 async def update_weights_from_distributed(request: Request) -> JSONResponse:
-    try:
-        body = await _parse(UpdateFromDistributedRequest, request)
-    except InvalidRequestError as e:
-        return _invalid(e)
+    body = await _parse(UpdateFromDistributedRequest, request)
     kwargs = body.model_dump(exclude={"abort_all_requests"})
     return await _control(request, "update_weights_from_distributed", body.abort_all_requests,
                           True, **kwargs)
@@ -207,11 +206,9 @@ async def get_weights_by_name(request: Request) -> Any:
 
 
 @router.post("/update_weight_version")
+@_answers_invalid
 async def update_weight_version(request: Request) -> JSONResponse:
-    try:
-        body = await _parse(UpdateVersionRequest, request)
-    except InvalidRequestError as e:
-        return _invalid(e)
+    body = await _parse(UpdateVersionRequest, request)
     resp = await _control(request, "update_weight_version", body.abort_all_requests,
                           new_version=body.new_version)
     if resp.status_code == 200:
@@ -222,11 +219,9 @@ async def update_weight_version(request: Request) -> JSONResponse:
 
 
 @router.post("/pause_generation")
+@_answers_invalid
 async def pause_generation(request: Request) -> JSONResponse:
-    try:
-        body = await _parse(PauseRequest, request, default_empty=True)
-    except InvalidRequestError as e:
-        return _invalid(e)
+    body = await _parse(PauseRequest, request, default_empty=True)
     state = get_state(request)
     resp = await state.client.control("pause_generation", mode=body.mode)
     if not resp.success:
