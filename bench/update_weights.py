@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.one_batch import LLAMA_8B  # noqa: E402
-from engine.weights.trainer_client import TrainerClient  # noqa: E402
+from engine.weights.trainer_client import TrainerClient, tensor_payloads  # noqa: E402
 
 STORIES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
                        "fixtures", "stories260K")
@@ -79,18 +79,32 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
     raise RuntimeError("server not ready")
 
 
-def time_updates(client: TrainerClient, named, load_format, iters: int) -> list[float]:
-    """Wall-clock seconds of ``iters`` complete updates (after 3 warm-up updates)."""
-    out = []
+def device_used_mib() -> float:
+    """Memory in use on this GPU by all processes (trainer + server), MiB."""
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2**20
+
+
+def time_updates(client: TrainerClient, named, load_format, iters: int):
+    """Wall-clock seconds of ``iters`` complete updates (after 3 warm-up updates), the device
+    memory in use (MiB) after the first and the last update, and the median seconds spent
+    building the payload (IPC handles + pickle + base64) inside those updates."""
+    out, used, ser_s = [], [], []
     for i in range(iters + 3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        tensor_payloads(named, client.tp_size, load_format)  # timed apart, same work
+        ser_s.append(time.perf_counter() - t)
         torch.cuda.synchronize()
         t = time.perf_counter()
         r = client.update_weights_from_tensor(named, load_format=load_format, flush_cache=True)
         dt = time.perf_counter() - t
         assert r["success"], r
+        if i == 0 or i == iters + 2:
+            used.append(device_used_mib())
         if i >= 3:
             out.append(dt)
-    return out
+    return out, used, statistics.median(ser_s)
 
 
 def main() -> None:
@@ -117,14 +131,20 @@ def main() -> None:
         rows = []
         for label, payload, fmt in (("per-tensor", named, None),
                                     ("flattened_bucket", bucket, "flattened_bucket")):
-            ts = time_updates(client, payload, fmt, args.iters)
-            rows.append((label, len(named), nbytes / 2**30, statistics.median(ts) * 1e3,
-                         min(ts) * 1e3, max(ts) * 1e3))
+            ts, used, ser_s = time_updates(client, payload, fmt, args.iters)
+            med = statistics.median(ts)
+            rows.append((label, len(named), nbytes / 2**30, med * 1e3, min(ts) * 1e3,
+                         max(ts) * 1e3, nbytes / med / 1e9, ser_s * 1e3, used[0], used[1]))
         probe = client.get_weights_by_name("model.layers.0.mlp.up_proj.weight", 1)[0][:3]
         ref = named[[n for n, _ in named].index("model.layers.0.mlp.up_proj.weight")][1][0, :3]
         assert torch.allclose(torch.tensor(probe), ref.float().cpu()), (probe, ref)
         table = _table(rows, args)
         print(table)
+        log.flush()
+        with open(log.name) as f:  # the server's own phase timings of the last updates
+            phases = [ln.rstrip() for ln in f if "update_weights_from_tensor:" in ln
+                      or "weights copied" in ln]
+        print("\n".join(phases[-4:]))
         if args.output:
             with open(args.output, "a") as f:
                 f.write(table + "\n")
@@ -142,10 +162,11 @@ def _table(rows, args) -> str:
     lines = [f"### update_weights_from_tensor, Llama-3.1-8B shape, bf16, tp={args.tp_size} "
              f"({datetime.date.today()}, {dev})", "",
              f"`python bench/update_weights.py --iters {args.iters} --tp-size {args.tp_size}`", "",
-             "| load_format | tensors | GiB | median ms | min ms | max ms |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.1f} | {r[5]:.1f} |"
-              for r in rows]
+             "| load_format | tensors | GiB | median ms | min ms | max ms | GB/s | payload "
+             "build ms | GPU MiB after update 1 | after last |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.1f} | {r[5]:.1f} | "
+              f"{r[6]:.0f} | {r[7]:.1f} | {r[8]:.0f} | {r[9]:.0f} |" for r in rows]
     return "\n".join(lines)
 
 

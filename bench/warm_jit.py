@@ -1,5 +1,6 @@
 """Compile (JIT) every flashinfer kernel the engine uses for one head_dim, on a tiny dummy model:
-paged prefill, tensor-core decode (eager and CUDA-graph), RMSNorm, SiLU-and-mul, RoPE.
+paged prefill, tensor-core and CUDA-core decode (eager and CUDA-graph), RMSNorm, SiLU-and-mul,
+RoPE.
 
     python bench/warm_jit.py 128 &  python bench/warm_jit.py 64 &  wait
 
@@ -10,6 +11,7 @@ several head_dims in parallel (flashinfer's file locks serialise builds of the s
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -47,4 +49,7 @@ def warm(head_dim: int) -> float:
 
 if __name__ == "__main__":
     for hd in sys.argv[1:] or ["128"]:
-        print(f"head_dim {hd}: kernels ready in {warm(int(hd)):.1f} s", flush=True)
+        for mode in ("1", "0"):  # tensor-core decode, then the CUDA-core decode kernel
+            os.environ["EYRIE_DECODE_TENSOR_CORES"] = mode
+            print(f"head_dim {hd}, decode tensor cores {mode}: kernels ready in "
+                  f"{warm(int(hd)):.1f} s", flush=True)

@@ -94,6 +94,12 @@ class EngineProcess:
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 8,
                  timeout: float = 60.0, **sp: Any) -> list[list[int]]:
         """Run prompts (one batch) to completion; returns output ids per prompt."""
+        return [ids for ids, _ in self.generate_top(prompts, max_new_tokens, 0, timeout, **sp)]
+
+    def generate_top(self, prompts: list[list[int]], max_new_tokens: int, top: int,
+                     timeout: float = 60.0, **sp: Any) -> list[tuple[list[int], list]]:
+        """Like ``generate``, also returning per prompt the ``top`` (logprob, token id) pairs
+        of every output position (empty lists when ``top`` is 0)."""
         rids = []
         for ids in prompts:
             self._next_id += 1
@@ -101,8 +107,10 @@ class EngineProcess:
             rids.append(rid)
             params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": max_new_tokens,
                                                "ignore_eos": True, **sp})
-            self.push.send_pyobj(GenerateReqInput(rid, list(ids), params))
-        out = {r: [] for r in rids}
+            self.push.send_pyobj(GenerateReqInput(rid, list(ids), params, return_logprob=top > 0,
+                                                  top_logprobs_num=top))
+        out: dict[str, list[int]] = {r: [] for r in rids}
+        tops: dict[str, list] = {r: [] for r in rids}
         done: set[str] = set()
         deadline = time.time() + timeout
         while len(done) < len(rids):
@@ -112,9 +120,10 @@ class EngineProcess:
                     if o.rid in out:
                         assert o.error is None, o.error
                         out[o.rid] += o.new_output_ids
+                        tops[o.rid] += o.output_top_logprobs
                         if o.finished:
                             done.add(o.rid)
-        return [out[r] for r in rids]
+        return [(out[r], tops[r]) for r in rids]
 
     def control(self, method: str, timeout: float = 30.0, **kwargs: Any) -> ControlResp:
         self._next_id += 1

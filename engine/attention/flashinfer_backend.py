@@ -8,8 +8,11 @@ page_size``, gathered on the GPU (no host sync); indptr and last_page_len come f
 ForwardBatch's ``*_cpu`` lists, so ``plan()`` needs no device-to-host copy.
 
 Kernels (flashinfer 0.6.18; shared/reference/flashinfer-facts.md sections 1-4, 8):
-- DECODE (one query per request, no mask): ``BatchDecodeWithPagedKVCacheWrapper`` with tensor
-  cores (the fa2 prefill kernels; any GQA group size).
+- DECODE (one query per request, no mask): ``BatchDecodeWithPagedKVCacheWrapper``, with tensor
+  cores (the fa2 prefill kernels; any GQA group size) or the CUDA-core decode kernel (GQA group
+  sizes 1, 2, 3, 4, 6, 8 only). ``EYRIE_DECODE_TENSOR_CORES`` = ``auto`` (default: tensor cores
+  when the group size is at least ``TENSOR_CORE_MIN_GROUP`` or has no CUDA-core kernel), ``1``
+  or ``0``. CUDA-graph re-plans go through ``flashinfer.fast_decode_plan`` (section 2).
 - EXTEND: K/V of the new tokens are written to their slots first, then one
   ``BatchPrefillWithPagedKVCacheWrapper`` call over prefix + new tokens with ``causal=True``
   (bottom-right aligned, so new tokens see the prefix and earlier new tokens), or with the
@@ -23,13 +26,31 @@ Kernels (flashinfer 0.6.18; shared/reference/flashinfer-facts.md sections 1-4, 8
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 from engine.runner.forward_batch import ForwardBatch
 
 KERNEL_HEAD_DIMS = (64, 128, 256)
+CUDA_CORE_GROUP_SIZES = (1, 2, 3, 4, 6, 8)  # DISPATCH_GQA_GROUP_SIZE of the decode kernel
+TENSOR_CORE_MIN_GROUP = 4  # SGLang's rule for bf16/fp16 KV (flashinfer-facts.md section 2)
 WORKSPACE_BYTES = 256 * 2**20  # split-KV partials; shared by every wrapper (one stream)
+
+
+def use_decode_tensor_cores(num_qo_heads: int, num_kv_heads: int, mode: str = "auto") -> bool:
+    """Whether DECODE runs on the tensor-core (fa2 prefill) kernels. ``mode``: "auto", "1" or
+    "0" (the value of ``EYRIE_DECODE_TENSOR_CORES``). Raises ValueError for another mode, or
+    for "0" with a group size the CUDA-core kernel does not instantiate."""
+    group = num_qo_heads // num_kv_heads
+    if mode == "auto":
+        return group >= TENSOR_CORE_MIN_GROUP or group not in CUDA_CORE_GROUP_SIZES
+    if mode not in ("0", "1"):
+        raise ValueError(f"EYRIE_DECODE_TENSOR_CORES must be auto, 0 or 1, got {mode!r}")
+    if mode == "0" and group not in CUDA_CORE_GROUP_SIZES:
+        raise ValueError(f"GQA group size {group} needs tensor-core decode")
+    return mode == "1"
 
 
 def kv_head_dim(head_dim: int) -> int:
@@ -105,8 +126,11 @@ class FlashInferBackend:
         self.page_size = runner.page_size
         self.dtype, self.device = runner.dtype, runner.device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.tensor_cores = use_decode_tensor_cores(
+            self.num_qo_heads, self.num_kv_heads,
+            os.environ.get("EYRIE_DECODE_TENSOR_CORES", "auto"))
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=True)
+            self.workspace, "NHD", use_tensor_cores=self.tensor_cores)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend="fa2")
         self.mask_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
@@ -160,7 +184,7 @@ class FlashInferBackend:
         self._cg_host = torch.zeros(3 * max_bs + 1, dtype=torch.int32, pin_memory=True)
         self._cg_host_free = torch.cuda.Event()  # the staging buffer's last H2D copy is done
         self._cg_host_free.record()
-        self._qo_indptr_host: dict[int, torch.Tensor] = {}
+        self._ones_host = torch.ones(max_bs, dtype=torch.int32)  # last_page_len at page_size 1
 
     def init_forward_metadata_cuda_graph(self, batch: ForwardBatch) -> None:
         """Plan a (padded) DECODE batch on the graph wrapper of its batch size, creating the
@@ -170,7 +194,7 @@ class FlashInferBackend:
         if wrapper is None:
             indptr, indices, last = self._cg_bufs
             wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores,
                 paged_kv_indptr_buffer=indptr[:bs + 1], paged_kv_indices_buffer=indices,
                 paged_kv_last_page_len_buffer=last[:bs])
             self.graph_wrappers[bs] = wrapper
@@ -179,12 +203,11 @@ class FlashInferBackend:
         self._fast_plan_graph(wrapper, batch)
 
     def _fast_plan_graph(self, wrapper, batch: ForwardBatch) -> None:
-        """Re-plan a graph wrapper already planned once (same batch size, dtypes, heads): what
-        ``wrapper.plan()`` does in graph mode for the tensor-core fa2 path, minus its checks,
-        its blocking copies from pageable memory and its per-element host loops. indptr (and
-        last_page_len when page_size > 1) go up with one async copy each from a pinned buffer;
-        page ids are gathered on the device straight into the indices buffer; the kernel's
-        scheduler (``_cached_module.plan``) gets the host indptr and kv lengths as before."""
+        """Re-plan a graph wrapper already planned once (same batch size, dtypes, heads) with
+        ``flashinfer.fast_decode_plan``, which in graph mode leaves the wrapper's device buffers
+        alone: indptr (and last_page_len when page_size > 1) go up with one async copy each
+        from a pinned buffer, page ids are gathered on the device straight into the indices
+        buffer, and the kernel's scheduler gets the host indptr (no device-to-host copy)."""
         bs, ps = batch.batch_size, self.page_size
         seq = batch.seq_lens_cpu
         if ps == 1:
@@ -201,27 +224,23 @@ class FlashInferBackend:
             raise ValueError(f"CUDA-graph page table overflow: {total} > {indices_d.shape[0]}")
         self._cg_host_free.synchronize()  # the previous step's copies have read the buffer
         host = self._cg_host
-        n = 2 * bs + 1
-        host[:n] = torch.tensor(indptr + seq, dtype=torch.int32)
-        indptr_h, kv_lens_h = host[:bs + 1], host[bs + 1:n]
+        host[:bs + 1] = torch.tensor(indptr, dtype=torch.int32)
+        indptr_h = host[:bs + 1]
         indptr_d[:bs + 1].copy_(indptr_h, non_blocking=True)
-        if last is not None:
-            host[n:n + bs] = torch.tensor(last, dtype=torch.int32)
-            last_d[:bs].copy_(host[n:n + bs], non_blocking=True)
+        if last is None:
+            last_h = self._ones_host[:bs]
+        else:
+            last_h = host[bs + 1:2 * bs + 1]
+            last_h.copy_(torch.tensor(last, dtype=torch.int32))
+            last_d[:bs].copy_(last_h, non_blocking=True)
         self._cg_host_free.record()
         page_table_indices(self.req_to_token, batch.req_pool_indices, batch.seq_lens, total,
                            ps, out=indices_d[:total])
-        qo = self._qo_indptr_host.get(bs)
-        if qo is None:
-            qo = self._qo_indptr_host[bs] = torch.arange(bs + 1, dtype=torch.int32)
-        # argument list of BatchDecodeWithPagedKVCacheWrapper._plan_impl's tensor-core branch
-        # (flashinfer 0.6.18 decode.py, backend fa2, q_len_per_req 1)
-        wrapper._plan_info = wrapper._cached_module.plan(
-            wrapper._float_workspace_buffer, wrapper._int_workspace_buffer,
-            wrapper._pin_memory_int_workspace_buffer, qo, indptr_h, kv_lens_h,
-            bs, bs, self.num_qo_heads, self.num_kv_heads, ps, True,
-            self.kernel_head_dim, self.kernel_head_dim, False, -1,
-            -1, False, 0, 0)
+        # last_page_len is read on the host only (its length, and for tensor cores its values)
+        self.fi.fast_decode_plan(
+            wrapper, indptr_d[:bs + 1], indices_d[:total], last_h, self.num_qo_heads,
+            self.num_kv_heads, self.kernel_head_dim, ps, global_override_indptr_cpu=indptr_h,
+            **self._common())
         self._active = wrapper
 
     # ------------------------------------------------------------------ run

@@ -16,6 +16,7 @@ Load formats (sglang-facts.md section 2.3): None = full HF-named tensors through
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ class WeightUpdater:
         self.scheduler = scheduler
         self.model_path = resolve_model_path(scheduler.args.model_path)
         self.groups: dict[str, UpdateGroup] = {}
+        self._layout: tuple | None = None  # (key, checked layout) of the last payload
 
     @property
     def runner(self):
@@ -58,10 +60,13 @@ class WeightUpdater:
                                    flush_cache: bool = True, weight_version: str | None = None):
         """Open entry ``[ps.tp_rank]`` of ``serialized_named_tensors`` (bytes or base64, one per
         deployment TP rank), check it, agree, copy. Returns (success, message)."""
-        plan, err = None, None
+        plan, err, t0 = None, None, time.perf_counter()
         try:
-            plan = self._plan(self._open_entry(serialized_named_tensors, load_format),
-                              load_format)
+            named = self._open_entry(serialized_named_tensors, load_format)
+            t1 = time.perf_counter()
+            plan = self._plan(named, load_format)
+            logger.info("update_weights_from_tensor: %d tensors opened in %.1f ms, checked in "
+                        "%.1f ms", len(named), (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
         except Exception as e:
             err = _err(e)
         return self._commit(plan, err, flush_cache, weight_version)
@@ -208,10 +213,21 @@ class WeightUpdater:
     def _plan(self, named: list[tuple[str, torch.Tensor]], load_format,
               require_all: bool = False) -> list[tuple[nn.Parameter, Any, Any, torch.Tensor]]:
         """(param, shard, loader, tensor) per tensor, after checking names, shapes and dtypes
-        (the loader is dry-run on ``meta`` tensors). Raises KeyError/ValueError naming it."""
+        (the loader is dry-run on ``meta`` tensors). Raises KeyError/ValueError naming it.
+        An RL trainer sends the same names, shapes and dtypes every step, so the checked
+        layout of the last payload is kept and reused when the next one has the same key."""
+        key = (load_format, require_all, tuple((n, tuple(t.shape), t.dtype) for n, t in named))
+        if self._layout is None or self._layout[0] != key:
+            self._layout = None
+            self._layout = (key, self._check_layout(named, load_format, require_all))
+        return [(p, shard, loader, t) for (p, shard, loader), (_, t)
+                in zip(self._layout[1], named) if p is not None]
+
+    def _check_layout(self, named, load_format, require_all: bool) -> list[tuple]:
+        """(param, shard, loader) per tensor, (None, None, None) for a skipped one."""
         model = self.runner.model
         params = dict(model.named_parameters(remove_duplicate=False))
-        plan, seen = [], set()
+        layout, seen = [], set()
         for name, t in named:
             if not t.is_floating_point():
                 raise ValueError(f"{name}: dtype {t.dtype} is not a floating-point type")
@@ -222,11 +238,12 @@ class WeightUpdater:
                 if tuple(t.shape) != tuple(p.shape):
                     raise ValueError(f"{name}: shape {tuple(t.shape)} does not match this "
                                      f"rank's parameter shape {tuple(p.shape)}")
-                plan.append((p, None, None, t))
-                seen.add(name)
+                layout.append((p, None, None))
+                seen.add(id(p))
                 continue
             resolved = model.resolve_param(name, params)
             if resolved is None:
+                layout.append((None, None, None))
                 continue
             p, shard = resolved
             want = hf_shape(name, self.scheduler.model_config)
@@ -241,13 +258,13 @@ class WeightUpdater:
                     raise ValueError(f"{name}: {e}") from None
             elif tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {tuple(p.shape)}")
-            plan.append((p, shard, loader, t))
-            seen.update(k for k, v in params.items() if v is p)
+            layout.append((p, shard, loader))
+            seen.add(id(p))
         if require_all:
-            missing = [k for k in params if k not in seen and not self._tied(k)]
+            missing = [k for k, p in params.items() if id(p) not in seen and not self._tied(k)]
             if missing:
                 raise ValueError(f"checkpoint has no weights for {missing[0]!r}")
-        return plan
+        return layout
 
     def _tied(self, param_name: str) -> bool:
         return param_name == "lm_head.weight" and self.scheduler.model_config.tie_word_embeddings
@@ -259,6 +276,7 @@ class WeightUpdater:
         if not ok:
             why = err or "another TP rank rejected its entry"
             return False, f"Failed to update weights: {why}. No weights were changed."
+        t0 = time.perf_counter()
         try:
             self._apply(plan)
         except Exception as e:  # unexpected after the checks: restore what we can
@@ -269,8 +287,11 @@ class WeightUpdater:
             self._apply(self._plan(list(iter_weights(rollback_path, "auto")), None))
             return False, f"Failed to update weights: {_err(e)}. Rolled back to {rollback_path}."
         msg = "Succeeded to update model weights."
+        t1 = time.perf_counter()
         if flush_cache:
             msg += " " + self._flush()
+        logger.info("weights copied in %.1f ms (synchronized), cache flushed in %.1f ms",
+                    (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
         if weight_version is not None:
             self.scheduler.weight_version = weight_version
             msg += f" Weight version updated to {weight_version}."

@@ -1,36 +1,58 @@
-"""Tensor parallelism on 2 GPUs (NCCL): greedy tokens of tp=2 equal tp=1 on stories260K.
+"""Tensor parallelism on 2 GPUs (NCCL): greedy tokens of tp=2 against tp=1 on stories260K.
 
-float32 with the torch attention backend is exact; the GPU default (bf16, default backend)
-must agree on the first tokens (stories260K's top logits are far from ties there). Runs the
-real process tree: ``run_engine`` (rank 0) spawns rank 1, both join NCCL + a gloo CPU group.
+float32 with the torch attention backend must be exact. In bf16 (the GPU default: flashinfer
+and CUDA graphs) tp=2 adds its partial sums in another order than tp=1, so the logits move by
+bf16 rounding noise; tokens must then equal tp=1's or first differ where tp=1's top two
+candidates are within that noise (a near-tie) and tp=2 took the runner-up. SmolLM2 cannot run
+at tp=2: its 9 attention heads do not split over 2 ranks (SGLang refuses it too). Both sides run
+the real process tree: ``run_engine`` (rank 0) spawns rank 1, both join NCCL + a gloo group.
 
-    python -m pytest -q tests/gpu/test_tp_gpu.py
+    python -m pytest -q -s tests/gpu/test_tp_gpu.py
 """
 
 import pytest
 import torch
 
 from engine.config import EngineArgs
-from engine.distributed.parallel_state import ParallelState
 from tests.conftest import STORIES
-from tests.tp_engine import EngineProcess, generate_on_rank
+from tests.tp_engine import EngineProcess
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
-PROMPTS = [[1, 403, 407, 261], [1, 5, 6, 7, 8, 9, 10]]
+PROMPTS = [[1, 403, 407, 261], [1, 5, 6, 7, 8, 9, 10], [1, 62, 103, 270, 350, 407, 261, 80]]
+NEW_TOKENS = 24
+# |logprob(tp=2) - logprob(tp=1)| of the chosen token wherever both agree, bf16; a gap between
+# tp=1's top two logprobs under this is a near-tie
+BF16_NOISE = 0.1
 
 
-@pytest.mark.parametrize("dtype,backend,compare", [
-    ("float32", "torch", 24),
-    # Known failure (H200 x2 run, 2026-11-29): bf16 flashinfer + CUDA graphs at tp=2 gives other
-    # tokens than tp=1 from the first token of prompt 1; float32/torch at tp=2 is exact.
-    pytest.param("auto", None, 8, marks=pytest.mark.xfail(
-        strict=True, reason="tp=2 bf16 flashinfer path diverges from tp=1 (open bug)"))])
-def test_greedy_tokens_tp2_match_tp1_on_gpu(dtype, backend, compare):
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+@pytest.mark.parametrize("dtype,backend,graphs", [
+    ("float32", "torch", False), ("auto", None, True), ("auto", None, False),
+    ("bfloat16", "torch", False)])
+def test_greedy_tokens_tp2_match_tp1_on_gpu(dtype, backend, graphs):
     args = EngineArgs(model_path=STORIES, dtype=dtype, device="cuda", attention_backend=backend,
-                      max_total_tokens=4096, max_running_requests=8, skip_warmup=True)
-    ref = generate_on_rank(args, ParallelState(), PROMPTS, 24)[:len(PROMPTS)]
+                      max_total_tokens=4096, max_running_requests=8, skip_warmup=True,
+                      disable_cuda_graph=not graphs)
+    with EngineProcess(args) as eng:
+        ref = eng.generate_top(PROMPTS, NEW_TOKENS, 2)
     with EngineProcess(EngineArgs(**{**args.__dict__, "tp_size": 2})) as eng:
-        got = eng.generate(PROMPTS, max_new_tokens=24)
+        got = eng.generate_top(PROMPTS, NEW_TOKENS, 2)
         assert eng.control("flush_cache").success
-    assert [o[:compare] for o in got] == [o[:compare] for o in ref]
+    for p, ((ref_ids, ref_top), (ids, top)) in enumerate(zip(ref, got)):
+        j = first_divergence(ref_ids, ids)
+        shared = range(len(ref_ids) if j is None else j)
+        noise = max((abs(ref_top[i][0][0] - top[i][0][0]) for i in shared), default=0.0)
+        print(f"{dtype}/{backend}/graphs={graphs} prompt {p}: first divergence {j}, max "
+              f"logprob noise {noise:.4f}" + ("" if j is None else
+              f", tp=1 top-2 {ref_top[j]}, tp=2 top-2 {top[j]}"))
+        if dtype == "float32":
+            assert j is None and noise < 1e-4
+            continue
+        assert noise < BF16_NOISE
+        if j is not None:
+            (lp1, _), (lp2, second) = ref_top[j]
+            assert ids[j] == second and lp1 - lp2 < BF16_NOISE, (p, j, ref_top[j], top[j])
