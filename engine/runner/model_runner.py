@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -45,8 +46,11 @@ class ModelRunner:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = args.torch_dtype(model_config)
         self.context_len = args.context_length or model_config.max_position_embeddings
+        t0 = time.perf_counter()
         self.model = build_model(model_path, model_config, args.load_format, ps, self.dtype,
                                  self.device)
+        logger.info("Load weight end. Time elapsed: %.2f s, format=%s, dtype=%s",
+                    time.perf_counter() - t0, args.load_format, self.dtype)
         self.page_size = args.page_size
         self.max_running_requests = args.max_running_requests or (
             256 if self.device.type == "cuda" else 128)

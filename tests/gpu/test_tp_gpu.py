@@ -3,7 +3,7 @@
 float32 with the torch attention backend must be exact. In bf16 (the GPU default: flashinfer
 and CUDA graphs) tp=2 adds its partial sums in another order than tp=1, so the logits move by
 bf16 rounding noise; tokens must then equal tp=1's or first differ where tp=1's top two
-candidates are within that noise (a near-tie) and tp=2 took the runner-up. SmolLM2 cannot run
+candidates are within that noise (a near-tie) and tp=2 took the other one. SmolLM2 cannot run
 at tp=2: its 9 attention heads do not split over 2 ranks (SGLang refuses it too). Both sides run
 the real process tree: ``run_engine`` (rank 0) spawns rank 1, both join NCCL + a gloo group.
 
@@ -21,9 +21,11 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 C
 
 PROMPTS = [[1, 403, 407, 261], [1, 5, 6, 7, 8, 9, 10], [1, 62, 103, 270, 350, 407, 261, 80]]
 NEW_TOKENS = 24
-# |logprob(tp=2) - logprob(tp=1)| of the chosen token wherever both agree, bf16; a gap between
-# tp=1's top two logprobs under this is a near-tie
-BF16_NOISE = 0.1
+# Bound on |logprob(tp=2) - logprob(tp=1)| of the chosen token wherever both agree, and the
+# largest top-2 gap that counts as a near-tie: two bf16 ulps of a logit in [16, 32) (0.125
+# each). Seen on 2x H200 (2026-11-30): agreeing positions within 0.1; the divergences sat at
+# gaps of 0 (an exact bf16 tie broken the other way) and 0.125 (one ulp).
+BF16_NOISE = 0.25
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -53,6 +55,7 @@ def test_greedy_tokens_tp2_match_tp1_on_gpu(dtype, backend, graphs):
             assert j is None and noise < 1e-4
             continue
         assert noise < BF16_NOISE
-        if j is not None:
-            (lp1, _), (lp2, second) = ref_top[j]
-            assert ids[j] == second and lp1 - lp2 < BF16_NOISE, (p, j, ref_top[j], top[j])
+        if j is not None:  # both picks must be among tp=1's near-tied best candidates
+            best, lp_ref = ref_top[j][0][0], {tok: lp for lp, tok in ref_top[j]}
+            assert ids[j] in lp_ref and best - lp_ref[ids[j]] < BF16_NOISE, (p, j, ref_top[j],
+                                                                             top[j])
