@@ -3,9 +3,11 @@ plain Python construction, and the CUDA-graph bucket list."""
 
 import random
 
+import pytest
 import torch
 
-from engine.attention.flashinfer_backend import host_page_meta, kv_head_dim, page_table_indices
+from engine.attention.flashinfer_backend import (host_page_meta, kv_head_dim, page_table_indices,
+                                                use_decode_tensor_cores)
 from engine.runner.cuda_graph import batch_size_buckets
 
 
@@ -41,3 +43,19 @@ def test_buckets_cut_at_max_and_include_it():
     assert batch_size_buckets(20) == [1, 2, 4, 8, 12, 16, 20]
     b = batch_size_buckets(256)
     assert b[:6] == [1, 2, 4, 8, 12, 16] and b[-1] == 256 and len(b) == 36
+
+
+@pytest.mark.parametrize("heads,kv_heads,mode,expected", [
+    (32, 8, "auto", True),    # Llama-3.1-8B, group 4: tensor cores (SGLang's rule)
+    (8, 4, "auto", False),    # stories260K, group 2: CUDA-core decode kernel
+    (9, 3, "auto", False),    # SmolLM2-135M, group 3
+    (40, 8, "auto", True),    # group 5: no CUDA-core kernel instantiated
+    (8, 4, "1", True), (32, 8, "0", False)])
+def test_decode_tensor_core_choice(heads, kv_heads, mode, expected):
+    assert use_decode_tensor_cores(heads, kv_heads, mode) is expected
+
+
+@pytest.mark.parametrize("heads,kv_heads,mode", [(40, 8, "0"), (8, 4, "yes")])
+def test_decode_tensor_core_choice_rejects(heads, kv_heads, mode):
+    with pytest.raises(ValueError):
+        use_decode_tensor_cores(heads, kv_heads, mode)
