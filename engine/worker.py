@@ -14,8 +14,9 @@ Control calls run on every rank; rank 0 merges the answers. Only rank 0 sends ou
 
 Start-up order: dist init -> load weights -> size KV -> warm up -> (test-only delay) -> barrier ->
 ReadyMsg. The API process resets its heartbeat on ReadyMsg, so a long start-up never reads as a
-hang. Rank 0 (started by the server) spawns ranks 1..N-1 of its node; see
-``engine.distributed.launch`` for the rank layout, process groups and the lifecycle guarantees.
+hang. Each node's leader (started by that node's server; rank 0 on node 0) spawns the other ranks
+of its node; see ``engine.distributed.launch`` for the rank layout, process groups and the
+lifecycle guarantees (multi-node included).
 """
 
 from __future__ import annotations
@@ -66,9 +67,11 @@ def handle_control(scheduler: Scheduler, req: ControlReq) -> ControlResp:
         result = getattr(target, req.method)(**req.kwargs)
     except Exception as e:  # a failed control call must not kill the engine
         logger.exception("control %s failed", req.method)
-        return ControlResp(req.req_id, False, f"{type(e).__name__}: {e}")
-    if isinstance(result, tuple):
-        return ControlResp(req.req_id, bool(result[0]), str(result[1]))
+        why = e.args[0] if isinstance(e, KeyError) and e.args else e  # no repr quotes
+        return ControlResp(req.req_id, False, f"{type(e).__name__}: {why}")
+    if isinstance(result, tuple):  # (success, message) or (success, message, data)
+        return ControlResp(req.req_id, bool(result[0]), str(result[1]),
+                           result[2] if len(result) > 2 else None)
     return ControlResp(req.req_id, True, "", result)
 
 
@@ -146,18 +149,23 @@ def start_scheduler(args: EngineArgs, ps: ParallelState, io: ApiIO | None) -> Sc
 
 
 def serve(scheduler: Scheduler, ps: ParallelState, io: ApiIO | None, parent_pid: int,
-          before_stop: Callable[[], None] | None = None) -> None:
-    """The loop, on every rank. Returns when rank 0's parent (the API process) is gone and
-    the engine is idle; rank 0 calls ``before_stop`` first (so exiting peers are expected)."""
+          before_stop: Callable[[], None] | None = None,
+          should_stop: Callable[[], bool] = lambda: False) -> None:
+    """The loop, on every rank. Returns on every rank (all nodes) when rank 0 decides to stop:
+    its parent (the API process) is gone and the engine is idle, or ``should_stop()`` (a
+    SIGTERM); rank 0 calls ``before_stop`` first (so exiting peers are expected). Raises
+    RuntimeError from gloo when a peer rank (any node) dies mid-collective."""
     deferred: list[ControlReq] = []  # weight updates waiting for in-flight requests
     while True:
         msgs, stop = [], False
         if io is not None:
             msgs = io.recv_all(0 if scheduler.busy and not scheduler.paused else IDLE_POLL_MS)
-            stop = not msgs and (not scheduler.busy or scheduler.paused) and \
+            orphaned = not msgs and (not scheduler.busy or scheduler.paused) and \
                 os.getppid() != parent_pid  # paused requests would never finish
+            stop = orphaned or should_stop()
             if stop:
-                logger.info("parent process gone; exiting")
+                logger.info("%s; stopping every TP rank", "parent process gone" if orphaned
+                            else "stop requested")
                 if before_stop is not None:
                     before_stop()
         msgs, stop = ps.broadcast_object((msgs, stop))
@@ -194,23 +202,24 @@ def serve(scheduler: Scheduler, ps: ParallelState, io: ApiIO | None, parent_pid:
                 io.send(BatchOutput(outs, stats={k: state[k] for k in STATS_KEYS}))
 
 
-def _exit_on_signal(signum, frame) -> None:
-    raise SystemExit(0)  # runs the finally blocks: peers stopped, sockets closed
-
-
-def run_engine(args: EngineArgs, input_addr: str, output_addr: str,
+def run_engine(args: EngineArgs, input_addr: str | None, output_addr: str | None,
                log_level: str = "info") -> None:
-    """Process entry point of a node leader (the server starts it; global rank 0 on node 0).
+    """Process entry point of a node leader: global rank 0 on node 0, rank k * per_node on
+    node k (the server starts it on every node).
 
-    Spawns this node's other TP ranks, talks ZMQ to the API process (node 0 only; other nodes
-    ignore the addresses), and exits when its parent goes away, on SIGTERM/SIGINT, or as soon
-    as any of its ranks dies; its ranks never outlive it. Start-up failures (any rank) are
-    reported as ``StartupError``. Must not run in a daemonic process (it has children).
+    Spawns this node's other TP ranks and talks ZMQ to the API process (node 0 only; other
+    nodes pass None addresses). Exits when its parent goes away (node 0: once idle, stopping
+    every rank on every node; node k > 0: at once, by SIGKILL), on SIGTERM/SIGINT (see
+    ``launch.StopOnSignal``), or as soon as any of its ranks or any other node dies; its ranks
+    never outlive it. Start-up failures (any rank, any node) reach node 0's API process as
+    ``StartupError``; elsewhere they raise (exit code 1). Must not run in a daemonic process.
     """
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s [engine] %(levelname)s %(message)s")
     parent = os.getppid()
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+    if args.node_rank > 0:
+        launch.die_with_parent(parent)  # it cannot stop the other nodes; they see it go
+    stopper = launch.StopOnSignal(is_rank0=args.node_rank == 0).install()
     io = ApiIO(input_addr, output_addr) if args.node_rank == 0 else None
     procs: list = []
     watchdog = None
@@ -230,17 +239,25 @@ def run_engine(args: EngineArgs, input_addr: str, output_addr: str,
                         if not io.ready:
                             io.send_from_thread(StartupError(msg))
                 watchdog = launch.RankWatchdog(procs, on_death).start()
-                logger.info("TP %d: ranks %s spawned, process group at %s", args.tp_size,
-                            [p.pid for p in procs], addr)
+                logger.info("TP %d, node %d of %d: ranks %d..%d here (spawned pids %s), "
+                            "process group at %s", args.tp_size, args.node_rank, args.nnodes,
+                            rank, rank + layout.per_node - 1, [p.pid for p in procs], addr)
                 ps = launch.init_parallel_state(store, rank, args.tp_size,
-                                                args.resolved_device)
+                                                args.resolved_device, args.nnodes)
             scheduler = start_scheduler(args, ps, io)
         except Exception as e:
             if io is not None:
                 io.send(StartupError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
                 time.sleep(0.5)  # let the message leave before the process exits
             raise
-        serve(scheduler, ps, io, parent, before_stop=watchdog.stop if watchdog else None)
+        if io is None:
+            logger.info("node %d of %d: TP ranks %d..%d ready, serving node 0's requests",
+                        args.node_rank, args.nnodes, rank, rank + layout.per_node - 1)
+        stopper.serving = True
+        serve(scheduler, ps, io, parent, before_stop=watchdog.stop if watchdog else None,
+              should_stop=lambda: stopper.requested)
+        if io is None:
+            logger.info("node 0 stopped the deployment; exiting")
         clean = True
     finally:
         if watchdog is not None:
@@ -267,6 +284,7 @@ def run_rank(args: EngineArgs, rank: int, dist_init_addr: str, log_level: str = 
     layout = launch.RankLayout.from_args(args)
     launch.limit_threads(layout.per_node)
     store, _ = launch.create_store(dist_init_addr, rank, args.tp_size)
-    ps = launch.init_parallel_state(store, rank, args.tp_size, args.resolved_device)
+    ps = launch.init_parallel_state(store, rank, args.tp_size, args.resolved_device,
+                                    args.nnodes)
     scheduler = start_scheduler(args, ps, None)
     serve(scheduler, ps, None, parent_pid or os.getppid())

@@ -70,9 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     add("--tp-size", "--tp", dest="tp_size", type=int, default=1)
     add("--nnodes", type=int, default=1, help="nodes the TP ranks are spread over")
-    add("--node-rank", type=int, default=0, help="this node's index in [0, nnodes)")
+    add("--node-rank", type=int, default=0,
+        help="this node's index in [0, nnodes); only node 0 serves HTTP")
     add("--dist-init-addr", default=None,
-        help="host:port of TP rank 0's torch.distributed store (default: a free local port)")
+        help="host:port of TP rank 0's torch.distributed store, on node 0; required with "
+             "--nnodes > 1 (default: a free local port)")
     add("--attention-backend", default=None, choices=["torch", "flashinfer"])
     add("--cuda-graph-max-bs", type=int, default=None,
         help="largest decode batch captured in a CUDA graph (GPU)")
@@ -92,7 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     """Parse flags into ``ServerArgs``. With no ``--model-path`` the default SmolLM2 GGUF is
-    used; raises ``RuntimeError`` (with the install command) if its package is missing."""
+    used; raises ``RuntimeError`` (with the install command) if its package is missing, and
+    ``DistInitError`` (a ``RuntimeError``) for an impossible ``--tp-size``/``--nnodes``/
+    ``--node-rank``/``--dist-init-addr`` combination, before any process starts."""
+    from engine.distributed.launch import RankLayout, parse_addr
+
     ns = build_parser().parse_args(argv)
     model_path, defaulted = ns.model_path, False
     if model_path is None:
@@ -125,6 +131,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         skip_warmup=ns.skip_server_warmup,
         debug_startup_delay=ns.debug_startup_delay,
     )
+    RankLayout.from_args(engine)
+    parse_addr(engine.dist_init_addr)
     return ServerArgs(
         engine=engine,
         host=ns.host,

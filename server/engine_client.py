@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from engine.io_struct import (AbortReq, BatchOutput, ControlReq, ControlResp, GenerateReqInput,
                               ReadyMsg, ReqOutput, StartupError)
-from engine.types import SamplingParams
+from engine.types import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger("server.engine_client")
 
@@ -119,9 +119,16 @@ class EngineClient:
         except zmq.Again as e:
             raise EngineUnavailableError("engine is not reachable") from e
 
+    def in_flight(self, rid: str) -> bool:
+        """True while a request with this rid is registered (sent and not yet released)."""
+        return rid in self._queues
+
     def submit(self, req: GenerateReqInput, queue: asyncio.Queue) -> None:
         """Register ``queue`` for ``req.rid`` and send the request. Raises
-        ``EngineUnavailableError`` (nothing stays registered then)."""
+        ``InvalidRequestError`` for a rid already in flight and ``EngineUnavailableError``
+        (nothing stays registered then)."""
+        if req.rid in self._queues:
+            raise InvalidRequestError("rid", f"duplicate request id {req.rid!r}")
         self._queues[req.rid] = queue
         try:
             self._send(req)

@@ -5,6 +5,11 @@ engine is spawned) -> private temp dir with the two ``ipc://`` sockets -> engine
 (spawn context) running ``engine.worker.run_engine(engine_args, input_addr, output_addr)`` ->
 uvicorn on the bound socket (the app finishes start-up in the background, see ``server.app``)
 -> on exit, stop the engine process (SIGTERM, then SIGKILL after 5 s) and remove the temp dir.
+
+Multi-node (``--nnodes N --node-rank k``, SGLang's layout): node 0 does all of the above; a
+node k > 0 binds no port and runs no HTTP server or tokenizer, only its engine process (the
+leader of TP ranks ``k * tp_size // N ..``), and waits for it: it exits 0 when node 0 stops the
+deployment and 1 when the deployment breaks (see ``run_node``).
 """
 
 from __future__ import annotations
@@ -91,10 +96,40 @@ def default_engine_target() -> Callable[..., Any]:
     return run_engine
 
 
+def run_node(args: ServerArgs, engine_target: Callable[..., Any] | None = None) -> int:
+    """A node k > 0 of a multi-node deployment: start the engine process (no ZMQ addresses,
+    no HTTP) and block until it exits. Returns 0 when node 0 stopped the deployment, 1 when
+    the engine failed (start-up error, lost node, dead rank). SIGINT/SIGTERM (as
+    KeyboardInterrupt) stop the engine, which breaks the deployment: node 0 then answers 503."""
+    eng = args.engine
+    per_node = eng.tp_size // eng.nnodes
+    first = eng.node_rank * per_node
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=engine_target or default_engine_target(), args=(eng, None, None),
+                       kwargs={"log_level": args.log_level}, name="eyrie-engine")
+    try:
+        proc.start()
+        logger.info("node %d of %d: engine process %d runs TP ranks %d..%d; no HTTP server on "
+                    "this node (node 0 serves the API); joining %s", eng.node_rank, eng.nnodes,
+                    proc.pid, first, first + per_node - 1, eng.dist_init_addr)
+        proc.join()
+    finally:
+        stop_process(proc)
+    if proc.exitcode == 0:
+        logger.info("the deployment ended; node %d stopped", eng.node_rank)
+        return 0
+    logger.error("engine process exited with code %s; node %d stopped", proc.exitcode,
+                 eng.node_rank)
+    return 1
+
+
 def run_server(args: ServerArgs, engine_target: Callable[..., Any] | None = None) -> int:
     """Run the server until SIGINT/SIGTERM or a start-up failure. Returns the exit code
-    (0 normal shutdown, 1 start-up failure, 2 port in use)."""
+    (0 normal shutdown, 1 start-up failure, 2 port in use). On a node k > 0 of a multi-node
+    deployment this is ``run_node`` (no HTTP)."""
     setup_logging(args.log_level)
+    if args.engine.node_rank > 0:
+        return run_node(args, engine_target)
     try:
         sock = bind_socket(args.host, args.port)
     except PortInUseError as e:

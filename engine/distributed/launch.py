@@ -9,10 +9,21 @@ context. Global rank 0 hosts the ``TCPStore`` at ``--dist-init-addr`` (default: 
 Groups: ``tp_group`` is NCCL on CUDA and gloo on CPU (the model's all-reduce / all-gather);
 ``cpu_group`` is always gloo (control messages, KV sizing), so CPU-only CI runs real TP.
 
+Start-up: every rank checks in at the store (``wait_for_ranks``) before joining the groups, so a
+node that never shows up is a ``DistInitError`` naming it after ``INIT_TIMEOUT_S`` instead of a
+30-minute hang inside ``init_process_group``.
+
 Lifecycle: spawned ranks ask the kernel for SIGKILL when their leader dies (``PR_SET_PDEATHSIG``)
 and ignore SIGINT (the leader drives shutdown); the leader runs a ``RankWatchdog`` thread that
 exits the leader as soon as any of its ranks exits, so a dead rank never leaves a half-alive
-engine that would hang in the next collective.
+engine that would hang in the next collective. Leaders of nodes k > 0 die with their server
+process the same way. Ranks on *other* nodes are not watched by a thread: the gloo CPU group is
+the heartbeat. Rank 0 broadcasts every loop iteration (``engine.worker.IDLE_POLL_MS`` apart when
+idle), and gloo fails that broadcast, or any collective, within milliseconds once a peer's sockets
+close ("Connection closed by peer"), so a dead node ends every other node's engine and node 0's
+API answers 503. (A hung node is caught by ``/health_generate``'s timeout instead; on GPU a rank
+stuck in an NCCL collective with a dead peer waits for ``COLLECTIVE_TIMEOUT_S``.) A clean stop
+travels the same way: rank 0 broadcasts ``stop`` and every rank returns.
 """
 
 from __future__ import annotations
@@ -90,30 +101,62 @@ def parse_addr(addr: str | None) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def create_store(addr: str | None, rank: int, world_size: int) -> tuple[Any, str]:
-    """Rank 0 listens (port 0 = any free port), others connect. Returns (TCPStore,
-    "host:port" actually used). Raises DistInitError naming the address on failure."""
+def create_store(addr: str | None, rank: int, world_size: int,
+                 timeout_s: float = INIT_TIMEOUT_S) -> tuple[Any, str]:
+    """Rank 0 listens (port 0 = any free port), others connect, retrying for ``timeout_s``
+    seconds (their node may start first). Returns (TCPStore, "host:port" actually used).
+    Raises DistInitError naming the address on failure."""
     import torch.distributed as dist
 
     host, port = parse_addr(addr)
     try:
         store = dist.TCPStore(host, port, world_size, is_master=rank == 0,
-                              timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S),
+                              timeout=datetime.timedelta(seconds=timeout_s),
                               wait_for_workers=False)
     except (RuntimeError, OSError) as e:
         what = "listen on" if rank == 0 else "reach"
-        hint = " (port already in use? pass another --dist-init-addr or omit it)" \
-            if "EADDRINUSE" in str(e) or "in use" in str(e) else ""
+        hint = " (is node 0 started, with the same --dist-init-addr?)" if rank else ""
+        if "EADDRINUSE" in str(e) or "in use" in str(e):
+            hint = " (port already in use? pass another --dist-init-addr or omit it)"
         raise DistInitError(f"TP rank {rank}: cannot {what} {host}:{port}{hint}: "
                             f"{str(e).splitlines()[0]}") from None
     return store, f"{host}:{store.port}"
 
 
-def init_parallel_state(store: Any, rank: int, world_size: int, device: str) -> ParallelState:
-    """Join the default group (NCCL on cuda, else gloo) and a gloo CPU group; set this rank's
-    GPU (local rank = rank % GPUs on the node) before any CUDA work."""
+def wait_for_ranks(store: Any, rank: int, world_size: int, nnodes: int = 1,
+                   timeout_s: float = INIT_TIMEOUT_S) -> None:
+    """Check in at the store as ``rank`` and wait up to ``timeout_s`` seconds until all
+    ``world_size`` ranks have. Without this, a missing rank hangs ``init_process_group`` for the
+    collective timeout. Raises DistInitError naming the missing ranks and their nodes."""
+    keys = [f"eyrie/joined/{r}" for r in range(world_size)]
+    try:
+        store.set(keys[rank], "1")
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        return
+    except (RuntimeError, OSError) as e:
+        error = str(e).splitlines()[0] if str(e) else type(e).__name__
+    try:
+        missing = [r for r in range(world_size) if not store.check([keys[r]])]
+    except (RuntimeError, OSError):  # rank 0's store itself is gone
+        raise DistInitError(f"TP rank {rank}: lost the store of TP rank 0 during start-up: "
+                            f"{error}") from None
+    if not missing:
+        raise DistInitError(f"TP rank {rank}: start-up rendezvous failed: {error}")
+    per_node = world_size // nnodes
+    nodes = ", ".join(str(n) for n in sorted({r // per_node for r in missing}))
+    raise DistInitError(f"TP rank {rank}: TP ranks {missing} (--node-rank {nodes}) did not "
+                        f"join within {timeout_s:g} s; start every node with the same "
+                        f"--tp-size, --nnodes and --dist-init-addr") from None
+
+
+def init_parallel_state(store: Any, rank: int, world_size: int, device: str,
+                        nnodes: int = 1) -> ParallelState:
+    """Wait for every rank (``wait_for_ranks``), then join the default group (NCCL on cuda,
+    else gloo) and a gloo CPU group; set this rank's GPU (local rank = rank % GPUs on the
+    node) before any CUDA work. Raises DistInitError if a rank is missing or a group fails."""
     import torch.distributed as dist
 
+    wait_for_ranks(store, rank, world_size, nnodes)
     backend = "gloo"
     if device.startswith("cuda"):
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -142,6 +185,33 @@ def die_with_parent(parent_pid: int) -> None:
         pass
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+class StopOnSignal:
+    """SIGTERM/SIGINT handler of a node leader (``install()`` it in the main thread).
+
+    On global rank 0 while ``serving``, the first signal only sets ``requested``: the loop then
+    broadcasts a stop, so every rank on every node returns cleanly (exit code 0) instead of
+    failing its next collective. Otherwise (start-up, a second signal, leaders of nodes k > 0,
+    which cannot stop the others) it raises SystemExit(0) at once; finally blocks stop the local
+    ranks and peers on other nodes see their next collective fail.
+    """
+
+    def __init__(self, is_rank0: bool):
+        self.is_rank0 = is_rank0
+        self.serving = False
+        self.requested = False
+
+    def install(self) -> "StopOnSignal":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self)
+        return self
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if not (self.is_rank0 and self.serving) or self.requested:
+            raise SystemExit(0)
+        logger.info("signal %d: stopping once this step is done", signum)
+        self.requested = True
 
 
 def spawn_ranks(target: Callable[..., None], ranks: list[int], args: EngineArgs,

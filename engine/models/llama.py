@@ -159,6 +159,12 @@ class LlamaForCausalLM(nn.Module):
             raise KeyError(f"unknown weight {hf_name!r}")
         return params[target], shard
 
+    @staticmethod
+    def fused_parts(param_name: str) -> list:
+        """Shard ids a fused parameter is loaded from ([q, k, v] for ``qkv_proj``, [0, 1] for
+        ``gate_up_proj``); [] for a parameter loaded from one HF tensor."""
+        return [sid for fused, _, sid in _STACKED if f".{fused}." in param_name]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named full tensors into this rank's shards. Raises KeyError / ValueError."""
         params = dict(self.named_parameters(remove_duplicate=False))

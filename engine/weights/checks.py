@@ -58,3 +58,56 @@ def hf_view(model: nn.Module, name: str) -> torch.Tensor:
     else:
         start, n = sum(layer.out_sizes[:shard]), layer.out_sizes[shard]
     return p.data.narrow(0, start, n)
+
+
+def check_layout(model: nn.Module, cfg, named: list[tuple[str, torch.Tensor]], load_format,
+                 require_all: bool) -> list[tuple]:
+    """Check HF-named tensors (or, with ``load_format="direct"``, our fused parameter names
+    with this rank's shard shapes) against ``model`` without changing it: names, full shapes
+    (``hf_shape``), floating dtypes, and a dry run of each parameter's ``weight_loader`` on
+    ``meta`` tensors. ``require_all``: every parameter, and every part of a fused one (q, k, v;
+    gate, up), must be present (a tied ``lm_head`` excepted).
+
+    Returns (param, shard, loader) per tensor, (None, None, None) for one the model skips.
+    Raises KeyError (unknown name) or ValueError naming the tensor."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    layout, seen = [], set()
+    for name, t in named:
+        if not t.is_floating_point():
+            raise ValueError(f"{name}: dtype {t.dtype} is not a floating-point type")
+        if load_format == "direct":
+            p = params.get(name)
+            if p is None:
+                raise KeyError(f"unknown parameter {name!r} (direct uses fused names)")
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"{name}: shape {tuple(t.shape)} does not match this "
+                                 f"rank's parameter shape {tuple(p.shape)}")
+            layout.append((p, None, None))
+            seen.add((id(p), None))
+            continue
+        resolved = model.resolve_param(name, params)
+        if resolved is None:
+            layout.append((None, None, None))
+            continue
+        p, shard = resolved
+        want = hf_shape(name, cfg)
+        if want is not None and tuple(t.shape) != want:
+            raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {want}")
+        loader = getattr(p, "weight_loader", None)
+        if loader is not None:
+            try:
+                meta_p = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+                loader(meta_p, torch.empty(t.shape, dtype=p.dtype, device="meta"), shard)
+            except (RuntimeError, ValueError, IndexError) as e:
+                raise ValueError(f"{name}: {e}") from None
+        elif tuple(t.shape) != tuple(p.shape):
+            raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+        layout.append((p, shard, loader))
+        seen.add((id(p), shard))
+    if require_all:
+        for k, p in params.items():
+            lost = [part for part in model.fused_parts(k) or [None] if (id(p), part) not in seen]
+            if lost and not (k == "lm_head.weight" and cfg.tie_word_embeddings):
+                what = k if lost == [None] else f"{k} (part {lost[0]!r})"
+                raise ValueError(f"checkpoint has no weights for {what}")
+    return layout

@@ -185,8 +185,19 @@ def serialize(obj: Any, output_str: bool = False) -> bytes | str:
 
 
 # ------------------------------------------------------------------ allow-list unpickler
-_SAFE_BUILTINS = frozenset({"list", "dict", "tuple", "set", "frozenset", "bytes", "bytearray",
-                            "str", "int", "float", "complex", "bool", "slice", "range"})
+# no ``range``, and ``bytes``/``bytearray`` only over bytes: a global that turns a small number
+# into a large object (``list(range(10**9))``, ``bytes(10**12)``) would let a few bytes of
+# payload exhaust a rank's memory
+_SAFE_BUILTINS = frozenset({"list", "dict", "tuple", "set", "frozenset", "str", "int", "float",
+                            "complex", "bool", "slice"})
+
+
+def _bytes_only(kind: type):
+    def build(data: Any = b"", *args: Any) -> Any:
+        if not isinstance(data, (bytes, bytearray, str)) or len(args) > 1:
+            raise UnsafePayloadError(f"{kind.__name__}() is allowed over bytes only")
+        return kind(data, *args) if args else kind(data)
+    return build
 _THIS = __name__
 _ALIASES = {  # SGLang's payload classes -> ours, so its clients work unchanged
     ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"): LocalSerializedTensor,
@@ -213,6 +224,8 @@ class SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == "builtins" and name in _SAFE_BUILTINS:
             return getattr(__import__("builtins"), name)
+        if module == "builtins" and name in ("bytes", "bytearray"):
+            return _bytes_only(bytes if name == "bytes" else bytearray)
         if (module, name) == ("collections", "OrderedDict"):
             from collections import OrderedDict
             return OrderedDict

@@ -23,13 +23,14 @@ import torch
 from torch import nn
 
 from engine.weights import serialization as ser
-from engine.weights.checks import check_same_config, hf_shape, hf_view
+from engine.weights.checks import check_layout, check_same_config, hf_view
 from engine.weights.loader import iter_weights, load_model_config, resolve_model_path
 from engine.weights.update_group import UpdateGroup, join_update_group
 
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = (None, "direct", "flattened_bucket")
+DISK_FORMATS = ("auto", "safetensors", "gguf")
 
 
 def _err(e: Exception) -> str:
@@ -75,11 +76,15 @@ class WeightUpdater:
                                  flush_cache: bool = True, weight_version: str | None = None):
         """Swap in the checkpoint at ``model_path`` (same architecture and shapes). Every
         tensor is read and checked before any is copied; if copying still fails the old
-        checkpoint is reloaded. Returns (success, message)."""
+        checkpoint is reloaded. Returns (success, message, {"num_paused_requests": n}), n =
+        the requests held paused (in place or retracted) across the swap (SGLang's field)."""
         fmt = load_format or self.scheduler.args.load_format
         fmt = "auto" if fmt in (None, "dummy") else fmt
         plan, err = None, None
         try:
+            if fmt not in DISK_FORMATS:
+                raise ValueError(f"load_format must be one of {', '.join(DISK_FORMATS)} or null, "
+                                 f"got {load_format!r}")
             check_same_config(load_model_config(model_path), self.scheduler.model_config)
             plan = self._plan(list(iter_weights(model_path, fmt)), None, require_all=True)
         except Exception as e:
@@ -88,7 +93,9 @@ class WeightUpdater:
                                rollback_path=self.model_path)
         if ok:
             self.model_path = model_path
-        return ok, msg
+        s = self.scheduler
+        paused = len(s.running) + len(s.waiting) if s.paused else 0
+        return ok, msg, {"num_paused_requests": paused}
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
@@ -97,6 +104,13 @@ class WeightUpdater:
         member joined). Returns (success, message)."""
         if group_name in self.groups:
             return False, f"weight update group {group_name!r} already exists"
+        tp = self.ps.tp_size
+        if not (isinstance(rank_offset, int) and isinstance(world_size, int)) or \
+                rank_offset < 1 or rank_offset + tp > world_size:
+            return False, (f"rank_offset {rank_offset!r} and world_size {world_size!r} do not "
+                           f"fit: the trainer is group rank 0 (it broadcasts), the {tp} engine "
+                           f"ranks need ranks rank_offset..rank_offset+{tp - 1} < world_size "
+                           f"(usually rank_offset=1, world_size=1+{tp})")
         try:
             self.groups[group_name] = join_update_group(
                 master_address, master_port, rank_offset + self.ps.tp_rank, world_size,
@@ -130,6 +144,10 @@ class WeightUpdater:
             if not all(isinstance(d, torch.dtype) for d in dts) or \
                     not len(names) == len(dts) == len(shapes):
                 raise ValueError("names, dtypes and shapes must be lists of equal length")
+            bad = next((s for s in shapes if not isinstance(s, (list, tuple)) or not all(
+                isinstance(x, int) and x >= 0 for x in s)), None)
+            if bad is not None:
+                raise ValueError(f"shapes: {bad!r} is not a list of non-negative ints")
         except (AttributeError, TypeError, ValueError) as e:
             return False, f"Failed to update weights: {_err(e)}"  # nothing was broadcast yet
         dev = group.device
@@ -219,55 +237,10 @@ class WeightUpdater:
         key = (load_format, require_all, tuple((n, tuple(t.shape), t.dtype) for n, t in named))
         if self._layout is None or self._layout[0] != key:
             self._layout = None
-            self._layout = (key, self._check_layout(named, load_format, require_all))
+            self._layout = (key, check_layout(self.runner.model, self.scheduler.model_config,
+                                              named, load_format, require_all))
         return [(p, shard, loader, t) for (p, shard, loader), (_, t)
                 in zip(self._layout[1], named) if p is not None]
-
-    def _check_layout(self, named, load_format, require_all: bool) -> list[tuple]:
-        """(param, shard, loader) per tensor, (None, None, None) for a skipped one."""
-        model = self.runner.model
-        params = dict(model.named_parameters(remove_duplicate=False))
-        layout, seen = [], set()
-        for name, t in named:
-            if not t.is_floating_point():
-                raise ValueError(f"{name}: dtype {t.dtype} is not a floating-point type")
-            if load_format == "direct":
-                p = params.get(name)
-                if p is None:
-                    raise KeyError(f"unknown parameter {name!r} (direct uses fused names)")
-                if tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(f"{name}: shape {tuple(t.shape)} does not match this "
-                                     f"rank's parameter shape {tuple(p.shape)}")
-                layout.append((p, None, None))
-                seen.add(id(p))
-                continue
-            resolved = model.resolve_param(name, params)
-            if resolved is None:
-                layout.append((None, None, None))
-                continue
-            p, shard = resolved
-            want = hf_shape(name, self.scheduler.model_config)
-            if want is not None and tuple(t.shape) != want:
-                raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {want}")
-            loader = getattr(p, "weight_loader", None)
-            if loader is not None:
-                try:
-                    meta_p = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
-                    loader(meta_p, torch.empty(t.shape, dtype=p.dtype, device="meta"), shard)
-                except (RuntimeError, ValueError, IndexError) as e:
-                    raise ValueError(f"{name}: {e}") from None
-            elif tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {tuple(p.shape)}")
-            layout.append((p, shard, loader))
-            seen.add(id(p))
-        if require_all:
-            missing = [k for k, p in params.items() if id(p) not in seen and not self._tied(k)]
-            if missing:
-                raise ValueError(f"checkpoint has no weights for {missing[0]!r}")
-        return layout
-
-    def _tied(self, param_name: str) -> bool:
-        return param_name == "lm_head.weight" and self.scheduler.model_config.tie_word_embeddings
 
     # ------------------------------------------------------------------ phase 2: commit
     def _commit(self, plan, err: str | None, flush_cache: bool, weight_version: str | None,

@@ -88,6 +88,11 @@ def build_requests(service: GenerationService, body: GenerateRequest
                 rid=rid, input_ids=ids, sampling_params=sp.for_sample(j),
                 return_logprob=want, top_logprobs_num=top if want else 0,
                 logprob_start_len=start, stream=body.stream))
+    rids = [r.rid for r in reqs]
+    dup = next((r for r in rids if rids.count(r) > 1 or service.client.in_flight(r)), None)
+    if dup is not None:
+        raise InvalidRequestError("rid", f"duplicate request id {dup!r} (ids must be unique "
+                                  "among requests in flight)")
     return reqs, expand
 
 

@@ -99,16 +99,19 @@ async def _parse(model: type[BaseModel], request: Request, default_empty: bool =
 
 
 async def _control(request: Request, method: str, abort_all: bool = False,
-                   writer: bool = False, **kwargs: Any) -> JSONResponse:
+                   writer: bool = False, with_data: tuple[str, ...] = (),
+                   **kwargs: Any) -> JSONResponse:
     """Run a weight control method on every engine rank. Writers may wait for in-flight
-    requests, so they get no timeout (an engine death still fails them with 503)."""
+    requests, so they get no timeout (an engine death still fails them with 503).
+    ``with_data``: keys of the engine's answer data copied into the JSON body."""
     state = get_state(request)
     if abort_all:
         state.client.abort(abort_all=True)
     resp = await state.client.control(method, timeout=None if writer else 120.0, **kwargs)
     if resp.success and kwargs.get("weight_version") is not None:
         state.client.weight_version = kwargs["weight_version"]
-    return _result(resp.success, resp.message)
+    data = resp.data if isinstance(resp.data, dict) else {}
+    return _result(resp.success, resp.message, **{k: data[k] for k in with_data if k in data})
 
 
 def _answers_invalid(route):
@@ -148,7 +151,8 @@ async def update_weights_from_disk(request: Request) -> JSONResponse:
     body = await _parse(UpdateFromDiskRequest, request)
     resp = await _control(request, "update_weights_from_disk", body.abort_all_requests, True,
                           model_path=body.model_path, load_format=body.load_format,
-                          flush_cache=body.flush_cache, weight_version=body.weight_version)
+                          flush_cache=body.flush_cache, weight_version=body.weight_version,
+                          with_data=("num_paused_requests",))
     if resp.status_code == 200:  # /model_info and /v1/models now name the new checkpoint
         state = get_state(request)
         eng = state.args.engine
@@ -199,6 +203,8 @@ async def get_weights_by_name(request: Request) -> Any:
     tp = get_state(request).args.engine.tp_size
     if not 0 <= body.tp_rank < tp:
         return _result(False, f"tp_rank: {body.tp_rank} is outside [0, {tp})")
+    if body.truncate_size < 1:
+        return _result(False, f"truncate_size: must be >= 1, got {body.truncate_size}")
     resp = await get_state(request).client.control("get_weights_by_name", **body.model_dump())
     if not resp.success:
         return _result(False, resp.message)

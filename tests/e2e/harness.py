@@ -62,24 +62,22 @@ class ServerProcess:
         return httpx.get(self.url + "/server_info", timeout=30).json()["engine_pid"]
 
     def kill(self) -> None:
-        """SIGTERM the whole process group, then SIGKILL whatever is left after 10 s."""
+        """SIGTERM the whole process group, then SIGKILL whatever is left after 10 s. The
+        group id is the server's pid (``start_new_session``), so this also reaches children
+        left behind after the server process itself has exited."""
+        pgid = self.proc.pid
         try:
-            pgid = os.getpgid(self.proc.pid)
+            os.killpg(pgid, signal.SIGTERM)
         except ProcessLookupError:
-            pgid = None
-        if pgid is not None:
-            try:
-                os.killpg(pgid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.proc.wait(timeout=10)
         self._log.close()
         os.unlink(self._log.name)

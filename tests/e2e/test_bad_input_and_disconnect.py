@@ -3,6 +3,7 @@ their requests aborted."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -96,6 +97,24 @@ def test_server_survives_bad_input(stories_server):
     assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 4
     assert stories_server.engine_pid() == pid
     assert stories_server.proc.poll() is None
+
+
+def test_duplicate_rid_is_400_and_the_first_request_finishes(stories_server):
+    url = stories_server.url
+    body = {"text": PROMPT, "rid": "dup-1", "stream": True,
+            "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}
+    with httpx.stream("POST", url + "/generate", json=body, timeout=60) as first:
+        frames = first.iter_lines()
+        next(line for line in frames if line.startswith("data: "))  # in flight now
+        second = httpx.post(url + "/generate", json={**body, "stream": False}, timeout=60)
+        assert second.status_code == 400, second.text
+        assert "rid" in second.json()["error"]["message"]
+        last = [line for line in frames if line.startswith("data: {")][-1]
+    assert json.loads(last[len("data: "):])["meta_info"]["completion_tokens"] == 64
+    batch = httpx.post(url + "/generate", json={"text": [PROMPT, PROMPT], "rid": ["x1", "x1"],
+                                                "sampling_params": {"max_new_tokens": 2}},
+                       timeout=60)
+    assert batch.status_code == 400 and "rid" in batch.json()["error"]["message"]
 
 
 def _running(url: str) -> tuple[int, int]:

@@ -95,7 +95,7 @@ def test_tensor_update_to_b_matches_fresh_b_and_sets_version(server, client, ref
 
 def test_disk_update_changes_model_path_and_bad_path_keeps_weights(server, client, refs, ckpt_b):
     r = client.update_weights_from_disk(ckpt_b, weight_version="disk-B")
-    assert r["success"], r
+    assert r["success"] and r["num_paused_requests"] == 0, r
     assert _outputs(client) == (refs["B"], {"disk-B"})
     assert httpx.get(server.url + "/model_info").json()["model_path"] == ckpt_b
     r = client.update_weights_from_disk("/nonexistent/ckpt", check=False)

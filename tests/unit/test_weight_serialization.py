@@ -61,6 +61,30 @@ def test_forbidden_globals_raise_unsafe_payload(payload):
         ser.deserialize(payload)
 
 
+class _Amplify:
+    """A few bytes of pickle that would build a huge object: ``cls(arg)``."""
+
+    def __init__(self, cls, arg):
+        self.cls, self.arg = cls, arg
+
+    def __reduce__(self):
+        return (self.cls, (self.arg,))
+
+
+@pytest.mark.parametrize("payload,match", [
+    (pickle.dumps(_Amplify(list, range(10))), "builtins.range"),
+    (pickle.dumps(_Amplify(bytes, 10**12)), "over bytes only"),
+    (pickle.dumps(_Amplify(bytearray, 10**12)), "over bytes only"),
+])
+def test_memory_bombs_are_refused(payload, match):
+    with pytest.raises(ser.UnsafePayloadError, match=match):
+        ser.deserialize(payload)
+
+
+def test_bytes_globals_still_rebuild_bytes():
+    assert ser.deserialize(pickle.dumps(_Amplify(bytearray, b"xy"))) == bytearray(b"xy")
+
+
 def test_garbage_and_bad_base64_raise_unsafe_payload():
     with pytest.raises(ser.UnsafePayloadError):
         ser.deserialize("***not base64***")

@@ -79,11 +79,48 @@ def test_disk_update_rejects_a_different_architecture(sched, tmp_path):
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     cfg["num_hidden_layers"] = 4
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    ok, msg = sched.weights.update_weights_from_disk(str(tmp_path / "m"))
+    ok, msg, _ = sched.weights.update_weights_from_disk(str(tmp_path / "m"))
     assert not ok and "num_hidden_layers" in msg
-    ok, msg = sched.weights.update_weights_from_disk(STORIES, weight_version="disk")
-    assert ok, msg
+    ok, msg, data = sched.weights.update_weights_from_disk(STORIES, weight_version="disk")
+    assert ok and data == {"num_paused_requests": 0}, msg
     assert torch.equal(torch.tensor(sched.weights.get_weights_by_name(UP, 2)), _hf(UP)[:2])
+
+
+@pytest.mark.parametrize("drop", ["model.layers.2.self_attn.k_proj.weight",
+                                  "model.layers.1.mlp.up_proj.weight"])
+def test_disk_update_missing_one_part_of_a_fused_weight_changes_nothing(sched, tmp_path, drop):
+    import shutil
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(STORIES, tmp_path / "m")
+    sd = load_file(str(tmp_path / "m" / "model.safetensors"))
+    del sd[drop]
+    save_file({k: v * 2 for k, v in sd.items()}, str(tmp_path / "m" / "model.safetensors"))
+    before = _snapshot(sched)
+    ok, msg, _ = sched.weights.update_weights_from_disk(str(tmp_path / "m"))
+    fused = drop.replace("k_proj", "qkv_proj").replace("up_proj", "gate_up_proj")
+    assert not ok and f"no weights for {fused}" in msg, msg
+    assert all(torch.equal(v, before[k]) for k, v in _snapshot(sched).items())
+
+
+def test_disk_update_rejects_an_unknown_load_format(sched):
+    ok, msg, _ = sched.weights.update_weights_from_disk(STORIES, load_format="xx")
+    assert not ok and "load_format" in msg
+
+
+@pytest.mark.parametrize("offset,world", [(0, 2), (1, 1), (-1, 2), (2, 2)])
+def test_update_group_sizes_that_cannot_work_are_refused_at_once(sched, offset, world):
+    ok, msg = sched.weights.init_weights_update_group("127.0.0.1", 1, offset, world, "bad")
+    assert not ok and "rank_offset" in msg and "bad" not in sched.weights.groups
+
+
+def test_distributed_update_refuses_negative_shapes(sched):
+    sched.weights.groups["neg"] = object()  # never reached: the shapes fail first
+    try:
+        ok, msg = sched.weights.update_weights_from_distributed(
+            [UP], ["float32"], [[-1, 64]], group_name="neg")
+    finally:
+        del sched.weights.groups["neg"]
+    assert not ok and "non-negative" in msg
 
 
 def test_distributed_update_over_a_private_gloo_group(sched):
