@@ -35,9 +35,9 @@ from engine.worker import run_engine, start_scheduler
 STARTUP_TIMEOUT_S = 120.0
 
 
-def child_pids(pid: int) -> list[int]:
-    """Direct children of ``pid`` from /proc (no psutil)."""
-    out = []
+def _live_procs():
+    """(pid, /proc/<pid>/stat fields after the command name) of every live non-zombie
+    process (fields[1] = ppid, fields[3] = session id); no psutil."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -46,9 +46,19 @@ def child_pids(pid: int) -> list[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(entry))
-    return out
+        if fields[0] != "Z":
+            yield int(entry), fields
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid``."""
+    return [p for p, fields in _live_procs() if int(fields[1]) == pid]
+
+
+def session_pids(sid: int) -> list[int]:
+    """Processes of session ``sid``: a server started with ``start_new_session`` and everything
+    it spawned, even if re-parented to init."""
+    return [p for p, fields in _live_procs() if int(fields[3]) == sid]
 
 
 def pid_alive(pid: int) -> bool:
@@ -217,5 +227,5 @@ def run_tp_ranks(jobs: list[tuple[EngineArgs, list[list[int]], int]],
     return out
 
 
-__all__ = ["EngineProcess", "StartupError", "child_pids", "pid_alive", "run_tp_ranks",
-           "generate_on_rank"]
+__all__ = ["EngineProcess", "StartupError", "child_pids", "generate_on_rank", "pid_alive",
+           "run_tp_ranks", "session_pids"]

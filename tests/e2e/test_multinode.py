@@ -27,7 +27,7 @@ from harness import REPO, STORIES, ServerProcess, free_port
 from engine.config import EngineArgs
 from engine.distributed import launch as dist_launch
 from engine.distributed.parallel_state import ParallelState
-from tests.tp_engine import generate_on_rank
+from tests.tp_engine import generate_on_rank, session_pids
 
 TIMEOUT_S = 4.0  # --health-check-timeout of node 0
 PROMPTS = [[1, 403, 407, 261, 378], [1, 334, 300, 450]]
@@ -37,30 +37,13 @@ LONG = {"text": "Once upon a time",
 NODE1_LINE = "no HTTP server on this node"
 
 
-def _session_pids(sid: int) -> list[int]:
-    """Live (non-zombie) processes of session ``sid``: a server started with
-    ``start_new_session`` and everything it spawned, even if re-parented to init."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            out.append(int(entry))
-    return out
-
-
 def _wait_exit(srv: ServerProcess, timeout: float) -> int:
     """The exit code of ``srv`` and then, within ``timeout`` s, no process left in its session."""
     code = srv.proc.wait(timeout=timeout)
     deadline = time.time() + timeout
-    while _session_pids(srv.proc.pid) and time.time() < deadline:
+    while session_pids(srv.proc.pid) and time.time() < deadline:
         time.sleep(0.1)
-    assert _session_pids(srv.proc.pid) == [], f"left behind by {srv.proc.pid}:\n{srv.log()}"
+    assert session_pids(srv.proc.pid) == [], f"left behind by {srv.proc.pid}:\n{srv.log()}"
     return code
 
 
@@ -122,7 +105,7 @@ def test_killing_node1_turns_node0_health_503_and_fails_pending_requests(launch)
     pending.join(timeout=60)
     assert results == [503]
     assert httpx.get(node0.url + "/health").status_code == 503  # the API saw its engine exit
-    assert engine0 not in _session_pids(node0.proc.pid), "node 0's engine outlived node 1"
+    assert engine0 not in session_pids(node0.proc.pid), "node 0's engine outlived node 1"
     _wait_exit(node1, 15)
     node0.proc.send_signal(signal.SIGTERM)
     assert _wait_exit(node0, 30) == 0
