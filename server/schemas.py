@@ -84,6 +84,16 @@ class CompletionRequest(_OpenAIBase):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        """Raise ``InvalidRequestError`` for OpenAI features this server does not implement
+        (rather than silently ignoring them)."""
+        if self.suffix:
+            raise InvalidRequestError("suffix", "is not supported (no fill-in-the-middle)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError("best_of", "is not supported; use n")
 
 
 class ContentPart(_Body):
@@ -109,17 +119,41 @@ class ChatCompletionRequest(_OpenAIBase):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        """Raise ``InvalidRequestError`` for OpenAI features this server does not implement:
+        tool calls, structured output and non-text content parts."""
+        if self.tools:
+            raise InvalidRequestError("tools", "tool calling is not supported")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise InvalidRequestError("tool_choice", "tool calling is not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise InvalidRequestError("response_format", "only {'type': 'text'} is supported")
+        for i, m in enumerate(self.messages):
+            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                if part.type != "text":
+                    raise InvalidRequestError(f"messages.{i}.content.{j}.type",
+                                              f"{part.type!r} parts are not supported (text "
+                                              "only)")
 
 
 def parse_body(model: type[M], body: bytes) -> M:
-    """Parse a JSON body into ``model``. Raises ``InvalidRequestError`` whose field is the first
-    failing location ("body" for malformed JSON)."""
+    """Parse a JSON body into ``model`` (and run its ``check_supported`` if it has one). Raises
+    ``InvalidRequestError`` whose field is the first failing location ("body" for malformed
+    JSON)."""
     if not body.strip():
         raise InvalidRequestError("body", "request body is empty; expected a JSON object")
     try:
-        return model.model_validate_json(body)
+        parsed = model.model_validate_json(body)
     except ValidationError as e:
         raise invalid_from_validation(e) from None
+    check = getattr(parsed, "check_supported", None)
+    if check is not None:
+        check()
+    return parsed
 
 
 def invalid_from_validation(e: ValidationError) -> InvalidRequestError:

@@ -70,6 +70,17 @@ OPENAI_CASES = [
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": "many"}, "max_tokens"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/completions", {"prompt": PROMPT, "suffix": " the end"}, "suffix"),
+    ("/v1/completions", {"prompt": PROMPT, "best_of": 3}, "best_of"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     "messages.0.content.1.type"),
 ]
 
 
