@@ -198,6 +198,8 @@ def _bytes_only(kind: type):
             raise UnsafePayloadError(f"{kind.__name__}() is allowed over bytes only")
         return kind(data, *args) if args else kind(data)
     return build
+
+
 _THIS = __name__
 _ALIASES = {  # SGLang's payload classes -> ours, so its clients work unchanged
     ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"): LocalSerializedTensor,
