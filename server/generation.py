@@ -183,6 +183,8 @@ class GenerationService:
                 self.client.release(rid)
 
     async def _next(self, queue: asyncio.Queue, request: Any, poll: bool) -> Any:
+        if not poll:  # engine death reaches every queue as an item (EngineClient._fail_all)
+            return await queue.get()
         while True:
             try:
                 return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)

@@ -47,6 +47,7 @@ class ServerMetrics:
         self.cache_hit_rate = Gauge("sglang:cache_hit_rate", "Prefix-cache hit rate (cumulative "
                                     "cached / prompt tokens).", labels, registry=r)
         self._label = {"model_name": model_name}
+        self._itl = self.itl.labels(**self._label)  # observed once per token: resolve once
 
     def observe_first_token(self, ttft: float) -> None:
         self.ttft.labels(**self._label).observe(ttft)
@@ -57,7 +58,7 @@ class ServerMetrics:
         if num_tokens > 0:
             per_token = gap / num_tokens
             for _ in range(num_tokens):
-                self.itl.labels(**self._label).observe(per_token)
+                self._itl.observe(per_token)
 
     def observe_finished(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
                          e2e: float, aborted: bool) -> None:

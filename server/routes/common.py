@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, AsyncIterator
 
+import orjson
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
@@ -32,8 +32,9 @@ def ready_service(request: Request) -> GenerationService:
 
 
 def sse(obj: Any) -> bytes:
-    """One server-sent event frame ``data: <json>\\n\\n``."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    """One server-sent event frame ``data: <json>\\n\\n`` (orjson: UTF-8, ~7x faster than
+    ``json`` on a typical frame; every streamed token of every request goes through here)."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"
