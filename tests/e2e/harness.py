@@ -30,6 +30,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_on_taken_port(extra: list[str]) -> tuple[subprocess.CompletedProcess, int]:
+    """Run ``python -m server --model-path STORIES --port P *extra`` to completion while P is
+    held by a listening socket; returns (the finished process, P)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "server", "--model-path", STORIES, "--port",
+                            str(port), *extra], cwd=REPO, capture_output=True, text=True,
+                           timeout=120)
+    return r, port
+
+
 class ServerProcess:
     """A running ``python -m server``; ``url`` is its base URL, ``log()`` its output so far."""
 

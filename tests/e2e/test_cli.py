@@ -3,22 +3,16 @@ guards every route except health and metrics."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
 import httpx
 
-from harness import REPO, STORIES, free_port
+from harness import REPO, STORIES, free_port, run_on_taken_port
 
 
 def test_port_in_use_is_a_clear_error():
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen(1)
-        port = taken.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "server", "--model-path", STORIES, "--port",
-                            str(port)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    r, port = run_on_taken_port([])
     assert r.returncode != 0
     assert f"port {port} on 127.0.0.1 is already in use" in r.stderr
     assert "starting the engine" not in r.stderr  # checked before spawning the engine

@@ -15,15 +15,13 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from harness import REPO, STORIES, ServerProcess, free_port
+from harness import STORIES, ServerProcess, free_port, run_on_taken_port
 from engine.config import EngineArgs
 from engine.distributed import launch as dist_launch
 from engine.distributed.parallel_state import ParallelState
@@ -121,14 +119,8 @@ def test_a_node_that_never_joins_is_an_error_naming_it():
 
 
 def test_taken_http_port_on_node0_fails_before_any_engine_starts():
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen(1)
-        port = taken.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "server", "--model-path", STORIES, "--port",
-                            str(port), "--tp-size", "2", "--nnodes", "2", "--node-rank", "0",
-                            "--dist-init-addr", f"127.0.0.1:{free_port()}"],
-                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    r, port = run_on_taken_port(["--tp-size", "2", "--nnodes", "2", "--node-rank", "0",
+                                 "--dist-init-addr", f"127.0.0.1:{free_port()}"])
     assert r.returncode == 2
     assert f"port {port} on 127.0.0.1 is already in use" in r.stderr
     assert "starting the engine" not in r.stderr
