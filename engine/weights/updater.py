@@ -236,7 +236,6 @@ class WeightUpdater:
         layout of the last payload is kept and reused when the next one has the same key."""
         key = (load_format, require_all, tuple((n, tuple(t.shape), t.dtype) for n, t in named))
         if self._layout is None or self._layout[0] != key:
-            self._layout = None
             self._layout = (key, check_layout(self.runner.model, self.scheduler.model_config,
                                               named, load_format, require_all))
         return [(p, shard, loader, t) for (p, shard, loader), (_, t)

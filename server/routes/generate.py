@@ -88,11 +88,12 @@ def build_requests(service: GenerationService, body: GenerateRequest
                 rid=rid, input_ids=ids, sampling_params=sp.for_sample(j),
                 return_logprob=want, top_logprobs_num=top if want else 0,
                 logprob_start_len=start, stream=body.stream))
-    rids = [r.rid for r in reqs]
-    dup = next((r for r in rids if rids.count(r) > 1 or service.client.in_flight(r)), None)
-    if dup is not None:
-        raise InvalidRequestError("rid", f"duplicate request id {dup!r} (ids must be unique "
-                                  "among requests in flight)")
+    seen: set[str] = set()
+    for r in reqs:
+        if r.rid in seen or service.client.in_flight(r.rid):
+            raise InvalidRequestError("rid", f"duplicate request id {r.rid!r} (ids must be "
+                                      "unique among requests in flight)")
+        seen.add(r.rid)
     return reqs, expand
 
 
