@@ -90,11 +90,12 @@ def run_batch(sched: Scheduler, bs: int, input_len: int, output_len: int, seed: 
     t0 = time.perf_counter()
     while any(not r.output_ids for r in sched.running) or sched.waiting:
         sched.step()
+    torch.cuda.synchronize()  # with overlap the prefill's step is still in flight here
     prefill = time.perf_counter() - t0
     steps = []
     while sched.busy:
         t = time.perf_counter()
-        sched.step()  # ends with the one host sync (next-token ids to the host)
+        sched.step()  # one host sync: this step's ids (the previous step's, with overlap)
         steps.append(time.perf_counter() - t)
     return prefill, steps
 
@@ -188,7 +189,7 @@ def bench(a: argparse.Namespace, model_dir: str, ps: ParallelState) -> None:
                        context_length=ctx, max_total_tokens=max_bs * ctx,
                        max_running_requests=max_bs, cuda_graph_max_bs=max_bs,
                        disable_radix_cache=True, max_prefill_tokens=max_bs * a.input_len,
-                       **tp_args)
+                       disable_overlap_schedule=a.disable_overlap_schedule, **tp_args)
     mc = ModelConfig.from_path(model_dir)
     t0 = time.perf_counter()
     runner = ModelRunner(eargs, model_dir, mc, ps)
@@ -236,7 +237,8 @@ def bench(a: argparse.Namespace, model_dir: str, ps: ParallelState) -> None:
     if tp == 1:
         print(f"\n{dev}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s "
               f"(read+write), weights {w_bytes / 1e9:.2f} GB, KV {kv_tok} B/token; input "
-              f"{a.input_len}, output {a.output_len}\n")
+              f"{a.input_len}, output {a.output_len}; overlap schedule "
+              f"{'off' if a.disable_overlap_schedule else 'on'}\n")
     else:
         print(f"\n{tp} x {dev}, tp {tp} (NCCL), torch {torch.__version__}, copy bandwidth "
               f"{bw / 1e12:.2f} TB/s of one GPU (read+write), weights {w_bytes / 1e9:.2f} GB "
@@ -270,6 +272,8 @@ def main() -> None:
                     help="write a host cProfile of decode steps and a per-kernel GPU time "
                          "table of one graph replay, per batch size, into this folder "
                          "(rank 0's at --tp-size > 1)")
+    ap.add_argument("--disable-overlap-schedule", action="store_true",
+                    help="finish each step before launching the next (the engine's flag)")
     ap.add_argument("--tp-size", type=int, default=1,
                     help="tensor parallel ranks, one process and one GPU each (GPUs 0..N-1)")
     a = ap.parse_args()

@@ -44,6 +44,8 @@ class EngineArgs:
     # (None = min(256, max_running_requests)); disable_cuda_graph runs every step eagerly
     cuda_graph_max_bs: int | None = None
     disable_cuda_graph: bool = False
+    # overlap scheduling (CUDA only): launch decode step N+1 before finishing step N
+    disable_overlap_schedule: bool = False
     weight_version: str = "default"
     skip_warmup: bool = False
     # test-only: seconds to sleep before declaring ready (documented in README: it makes the

@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--cuda-graph-max-bs", type=int, default=None,
         help="largest decode batch captured in a CUDA graph (GPU)")
     add("--disable-cuda-graph", action="store_true")
+    add("--disable-overlap-schedule", action="store_true",
+        help="finish each step before launching the next (GPU; overlap is the default there)")
     add("--served-model-name", default=None)
     add("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -127,6 +129,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         attention_backend=ns.attention_backend,
         cuda_graph_max_bs=ns.cuda_graph_max_bs,
         disable_cuda_graph=ns.disable_cuda_graph,
+        disable_overlap_schedule=ns.disable_overlap_schedule,
         weight_version=ns.weight_version,
         skip_warmup=ns.skip_server_warmup,
         debug_startup_delay=ns.debug_startup_delay,

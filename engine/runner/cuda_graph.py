@@ -99,22 +99,29 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info(self.device)[0]
         pool = None
+        phases = []  # per bucket: (bs, plan + warm-up seconds, capture seconds)
         for bs in reversed(self.buckets):
+            t = time.perf_counter()
             batch = self._static_batch(bs, [1] * bs, [self.padding_row] * bs)
             self.backend.init_forward_metadata_cuda_graph(batch)
             for _ in range(2):  # warm up: lazy inits, cuBLAS handles/workspaces
                 self.model(batch, self.backend)
             torch.cuda.synchronize(self.device)
+            t_warm = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 out = self.model(batch, self.backend)
             pool = graph.pool() if pool is None else pool
             self.graphs[bs], self.outputs[bs] = graph, out
+            phases.append((bs, t_warm - t, time.perf_counter() - t_warm))
         torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
         used = (free0 - torch.cuda.mem_get_info(self.device)[0]) / 2**30
-        logger.info("Capture cuda graph end. Time elapsed: %.2f s. mem usage=%.2f GB", elapsed,
-                    used)
+        slow = sorted(phases, key=lambda p: -(p[1] + p[2]))[:3]
+        logger.info("Capture cuda graph end. Time elapsed: %.2f s (warm-up %.2f s, capture "
+                    "%.2f s; slowest bs: %s). mem usage=%.2f GB", elapsed,
+                    sum(p[1] for p in phases), sum(p[2] for p in phases),
+                    ", ".join(f"{b} {w:.2f}+{c:.2f} s" for b, w, c in slow), used)
         return elapsed
 
     def can_run(self, batch: ForwardBatch) -> bool:

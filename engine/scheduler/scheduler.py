@@ -2,8 +2,13 @@
 
     finish aborted requests -> schedule (extend first: chunked prefills, then new requests
     under the token budget; else decode every running request, retracting on KV shortage)
-    -> build ForwardBatch -> run -> sample -> process results (finish checks, detokenize,
-    release KV into the prefix cache).
+    -> launch (build ForwardBatch, run, sample on the device) -> finish (finish checks,
+    detokenize, release KV into the prefix cache).
+
+With overlap (CUDA default; ``--disable-overlap-schedule`` turns it off) a decode step is
+launched before the previous step is finished, hiding the host work under the GPU's
+(``launched.py`` says how). Anything that needs settled token values drains the step in flight
+first: aborts, pauses, penalties, prompt logprobs, possible KV shortage.
 
 Every request's KV is one budget: ``num_computed_tokens`` chases ``len(fill_ids)`` (vLLM v1's
 idea), so prefix hits, chunked prefill, decode and recompute after retraction are one path.
@@ -14,15 +19,11 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-import torch
-
 from engine.config import EngineArgs, ModelConfig
 from engine.io_struct import AbortReq, GenerateReqInput, ReqOutput
-from engine.runner.forward_batch import build_forward_batch
 from engine.runner.model_runner import ModelRunner
-from engine.runner.sampler import (SampleOutput, Sampler, SamplingBatchInfo, greedy_next_ids,
-                                   plain_greedy)
-from engine.scheduler import output
+from engine.runner.sampler import Sampler
+from engine.scheduler import launched, output
 from engine.scheduler.prefix_cache import RadixCache
 from engine.scheduler.req_memory import ReqMemory
 from engine.types import FinishReason, ForwardMode, InvalidRequestError, Req, ReqStatus
@@ -31,17 +32,6 @@ from engine.weights.updater import WeightUpdater
 logger = logging.getLogger(__name__)
 
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"
-
-
-def _fill_slice(req: Req, start: int, n: int) -> list[int]:
-    """``req.fill_ids[start:start + n]`` without building ``fill_ids`` (prompt + output, a
-    copy of the whole sequence) each step."""
-    plen = len(req.origin_input_ids)
-    if start >= plen:
-        return req.output_ids[start - plen:start - plen + n]
-    if start + n <= plen:
-        return req.origin_input_ids[start:start + n]
-    return req.origin_input_ids[start:] + req.output_ids[:start + n - plen]
 
 
 class Scheduler:
@@ -74,6 +64,9 @@ class Scheduler:
         self.held: deque[Req] = deque()  # ``held`` (reader/writer lock, writer first)
         self.weights = WeightUpdater(self)  # weight-update control methods
         self.stats = {"prompt_tokens": 0, "cache_hit_tokens": 0, "generation_tokens": 0}
+        # launch step N+1 before finishing step N (no gain on CPU, where kernels run inline)
+        self.overlap = runner.device.type == "cuda" and not args.disable_overlap_schedule
+        self.inflight: launched.LaunchedStep | None = None  # launched, not yet finished
 
     # ---------------------------------------------------------------- inputs
     def add_request(self, r: GenerateReqInput) -> None:
@@ -123,12 +116,14 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.inflight)
 
     # ---------------------------------------------------------------- the loop
     def step(self) -> list[ReqOutput]:
         """Run one forward step if there is work; return the outputs to send."""
         outs, self.pending = self.pending, []
+        if self.inflight is not None and self._must_drain():
+            outs.extend(self.drain())
         for req in [q for q in self.running if q.to_abort is not None]:
             self.running.remove(req)
             req.finish_reason = req.to_abort
@@ -137,9 +132,32 @@ class Scheduler:
         if self.paused:
             return outs
         reqs, ext_lens, mode = self._schedule()
-        if reqs:
-            outs.extend(self._run(reqs, ext_lens, mode))
+        step = launched.launch(self, reqs, ext_lens, mode, self.inflight) if reqs else None
+        outs.extend(self.drain())  # step N's results while step N+1 runs on the device
+        if step is not None:
+            if self.overlap and step.deferrable:
+                self.inflight = step
+            else:
+                outs.extend(launched.finish(self, step))
         return outs
+
+    def drain(self) -> list[ReqOutput]:
+        """Finish the step in flight, if any (waits for the device); its outputs."""
+        step, self.inflight = self.inflight, None
+        return launched.finish(self, step) if step is not None else []
+
+    def _must_drain(self) -> bool:
+        """The next step cannot run beside the one in flight: something needs its token
+        values (penalties, an abort, a pause) or KV may run short (retraction moves tokens)."""
+        if self.paused or self.allocator.available_tokens < len(self.running) * self.page_size:
+            return True
+        return any(q.to_abort is not None or launched.needs_token_values(q)
+                   for q in self.running)
+
+    def _at_limit(self, req: Req) -> bool:
+        """The in-flight token is ``req``'s last (max_new_tokens or context length)."""
+        return (len(req.output_ids) >= req.sampling_params.max_new_tokens
+                or req.seq_len >= self.context_len)
 
     def _schedule(self) -> tuple[list[Req], list[int], ForwardMode]:
         reqs, lens, budget = [], [], self.chunk_budget
@@ -172,9 +190,10 @@ class Scheduler:
             budget -= n
         if reqs:
             return reqs, lens, ForwardMode.EXTEND
-        decode = [q for q in self.running if q.seq_len - q.num_computed_tokens == 1]
+        decode = [q for q in self.running
+                  if q.seq_len - q.num_computed_tokens == 1 and not self._at_limit(q)]
         decode = self._alloc_decode(decode)
-        if not decode and self.running:  # partial prefills stuck on memory
+        if not decode and self.running and self.inflight is None:  # partial prefills stuck
             if len(self.running) > 1:
                 self._retract(self.running[-1])
             else:
@@ -201,74 +220,14 @@ class Scheduler:
         return ok
 
     def _retract(self, req: Req) -> None:
+        if self.inflight is not None:  # its placeholder tokens would go back to waiting
+            raise RuntimeError("retraction with a step in flight")
         logger.info("retracting %s (KV cache full)", req.rid)
         self.running.remove(req)
         self.mem.release(req)
         req.status = ReqStatus.WAITING
         req.total_retractions += 1
         self.waiting.appendleft(req)
-
-    def _run(self, reqs: list[Req], ext_lens: list[int], mode: ForwardMode) -> list[ReqOutput]:
-        ids, pos, locs, prefix, logit_rows, plan = [], [], [], [], [], []
-        for req, n in zip(reqs, ext_lens):
-            start = req.num_computed_tokens
-            base = len(ids)
-            ids.extend(_fill_slice(req, start, n))
-            pos.extend(range(start, start + n))
-            locs.extend(req.kv_slots[start:start + n])
-            prefix.append(start)
-            prompt_rows = output.prompt_logprob_positions(req, start, n)
-            logit_rows.extend(base + p - start for p in prompt_rows)
-            samples = start + n == req.seq_len
-            if samples:
-                logit_rows.append(base + n - 1)
-            plan.append((prompt_rows, samples))
-        batch = build_forward_batch(mode, ids, pos, locs, [r.req_pool_idx for r in reqs], prefix,
-                                    ext_lens, logit_rows, self.runner.device)
-        logits = self.runner.forward(batch).next_token_logits
-        for req, n in zip(reqs, ext_lens):
-            req.num_computed_tokens += n
-        return self._process_results(reqs, plan, logits)
-
-    def _process_results(self, reqs, plan, logits) -> list[ReqOutput]:
-        row, sample_rows, sample_reqs = 0, [], []
-        for req, (prompt_rows, samples) in zip(reqs, plan):
-            if prompt_rows:
-                output.add_prompt_logprobs(req, prompt_rows, logits[row:row + len(prompt_rows)])
-                row += len(prompt_rows)
-            if samples:
-                sample_rows.append(row)
-                sample_reqs.append(req)
-                row += 1
-        outs = []
-        if sample_reqs:
-            rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
-            if plain_greedy(sample_reqs, self.eos_token_ids):
-                # all-greedy fast path: argmax on the device, one device-to-host copy, no
-                # per-row sampling tensors (same tokens as the full sampler)
-                res = SampleOutput(next_token_ids=torch.empty(0))
-                next_ids = greedy_next_ids(rows)
-            else:
-                info = SamplingBatchInfo.from_reqs(sample_reqs, self.vocab_size, logits.device,
-                                                   self.eos_token_ids)
-                want_lp = any(r.return_logprob for r in sample_reqs)
-                top_n = max(r.top_logprobs_num for r in sample_reqs)
-                res = self.sampler(rows, info, sample_reqs, want_lp, top_n)
-                next_ids = res.next_token_ids.tolist()
-            for i, req in enumerate(sample_reqs):
-                n_before = len(req.output_ids)
-                finished = output.append_token(req, next_ids[i], res, i, self.eos_token_ids,
-                                               self.context_len)
-                if req.log_metrics:
-                    self.stats["generation_tokens"] += len(req.output_ids) - n_before
-                if finished:
-                    self.running.remove(req)
-                    self.mem.release(req)
-                    req.status = ReqStatus.FINISHED
-                    outs.append(output.make_output(req, self.weight_version, final=True))
-                elif req.stream:
-                    outs.append(output.make_output(req, self.weight_version, final=False))
-        return outs
 
     # ---------------------------------------------------------------- control
     def pause_generation(self, mode: str = "abort") -> tuple[bool, str]:
@@ -277,6 +236,7 @@ class Scheduler:
         after continue), ``in_place`` keeps them and their KV."""
         if mode not in ("abort", "retract", "in_place"):
             return False, f"mode must be abort, retract or in_place, got {mode!r}"
+        self.pending.extend(self.drain())
         if mode == "abort":
             self.abort(AbortReq(abort_all=True))
         elif mode == "retract":

@@ -10,18 +10,11 @@ import torch
 
 from engine.engine import Engine
 from tests.conftest import STORIES, STORIES_GOLDEN
+from tests.gpu.helpers import NEAR_TIE, first_divergence
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-NEAR_TIE = 1e-2
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def top2_gap(out: dict, i: int) -> float:
@@ -30,7 +23,7 @@ def top2_gap(out: dict, i: int) -> float:
 
 
 def assert_same_or_near_tie(got: dict, ref: dict, what: str) -> None:
-    i = first_divergence(got["output_ids"], ref["output_ids"])
+    i = first_divergence(got["output_ids"], ref["output_ids"], strict_length=True)
     if i is not None:
         gap = top2_gap(ref, i)
         assert gap < NEAR_TIE, f"{what}: diverged at token {i}, reference top-2 gap {gap:.4f}"

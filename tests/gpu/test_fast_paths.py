@@ -12,12 +12,9 @@ import pytest
 import torch
 
 import engine.models.llama as llama
-from engine.config import EngineArgs, ModelConfig
-from engine.distributed.parallel_state import ParallelState
-from engine.runner.forward_batch import build_forward_batch
-from engine.runner.model_runner import ModelRunner
 from engine.runner.sampler import Sampler, SamplingBatchInfo, greedy_next_ids, plain_greedy
 from engine.types import ForwardMode, Req, SamplingParams
+from tests.gpu.helpers import Driver, dummy_runner, rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -28,39 +25,9 @@ CFG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 
 
 
 def make_runner(path: str, page_size: int, graphs: bool, backend: str = "flashinfer"):
-    args = EngineArgs(model_path=path, device="cuda", load_format="dummy", page_size=page_size,
-                      attention_backend=backend, disable_cuda_graph=not graphs,
-                      cuda_graph_max_bs=8, max_total_tokens=8192, max_running_requests=8)
-    return ModelRunner(args, path, ModelConfig.from_path(path), ParallelState())
-
-
-class Driver:
-    """Allocates KV like the scheduler and builds ForwardBatches for one runner."""
-
-    def __init__(self, runner: ModelRunner):
-        self.r = runner
-        self.slots: dict[int, list[int]] = {}
-
-    def step(self, mode, work: list[tuple[int, list[int]]]) -> torch.Tensor:
-        ids, pos, locs, rows, prefix, ext, logit_rows = [], [], [], [], [], [], []
-        for rid, toks in work:
-            have = self.slots.setdefault(rid, [])
-            new = self.r.allocator.alloc(len(have), have[-1] if have else 0, len(toks))
-            prefix.append(len(have))
-            ids += toks
-            pos += range(len(have), len(have) + len(toks))
-            locs += new
-            have += new
-            rows.append(rid)
-            ext.append(len(toks))
-            logit_rows.append(len(ids) - 1)
-        batch = build_forward_batch(mode, ids, pos, locs, rows, prefix, ext, logit_rows,
-                                    self.r.device)
-        return self.r.forward(batch).next_token_logits.clone()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
+    return dummy_runner(path, page_size=page_size, attention_backend=backend,
+                        disable_cuda_graph=not graphs, cuda_graph_max_bs=8,
+                        max_total_tokens=8192)
 
 
 def test_fused_add_rmsnorm_stack_matches_plain_layers(tmp_path, monkeypatch):

@@ -7,11 +7,9 @@ import json
 import pytest
 import torch
 
-from engine.config import EngineArgs, ModelConfig
-from engine.distributed.parallel_state import ParallelState
-from engine.runner.forward_batch import build_forward_batch
 from engine.runner.model_runner import ModelRunner
 from engine.types import ForwardMode
+from tests.gpu.helpers import Driver, dummy_runner, rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -24,49 +22,15 @@ def tiny_config(head_dim: int) -> dict:
 
 
 def make_runner(path: str, backend: str, page_size: int) -> ModelRunner:
-    args = EngineArgs(model_path=path, device="cuda", load_format="dummy", page_size=page_size,
-                      attention_backend=backend, disable_cuda_graph=True,
-                      max_total_tokens=4096, max_running_requests=8)
-    return ModelRunner(args, path, ModelConfig.from_path(path), ParallelState())
-
-
-class Driver:
-    """Allocates KV like the scheduler does and builds ForwardBatches for one runner."""
-
-    def __init__(self, runner: ModelRunner):
-        self.r = runner
-        self.slots: dict[int, list[int]] = {}
-
-    def step(self, mode, work: list[tuple[int, list[int]]], custom_mask=None):
-        ids, pos, locs, rows, prefix, ext, logit_rows = [], [], [], [], [], [], []
-        for rid, toks in work:
-            have = self.slots.setdefault(rid, [])
-            new = self.r.allocator.alloc(len(have), have[-1] if have else 0, len(toks))
-            row = rid  # request id doubles as req_to_token row
-            self.r.req_to_token_pool.req_to_token[row, len(have):len(have) + len(toks)] = \
-                torch.tensor(new, dtype=torch.int32)
-            prefix.append(len(have))
-            ids += toks
-            pos += range(len(have), len(have) + len(toks))
-            locs += new
-            have += new
-            rows.append(row)
-            ext.append(len(toks))
-            logit_rows += range(len(ids) - len(toks), len(ids))  # every row's logits
-        batch = build_forward_batch(mode, ids, pos, locs, rows, prefix, ext, logit_rows,
-                                    self.r.device, custom_mask)
-        return self.r.forward(batch).next_token_logits.clone()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
+    return dummy_runner(path, page_size=page_size, attention_backend=backend,
+                        disable_cuda_graph=True, max_total_tokens=4096)
 
 
 @pytest.mark.parametrize("head_dim,page_size", [(64, 1), (64, 16), (8, 1)])
 def test_flashinfer_logits_match_torch_backend(tmp_path, head_dim, page_size):
     (tmp_path / "config.json").write_text(json.dumps(tiny_config(head_dim)))
     runners = [make_runner(str(tmp_path), b, page_size) for b in ("torch", "flashinfer")]
-    drivers = [Driver(r) for r in runners]
+    drivers = [Driver(r, every_token=True) for r in runners]
     g = torch.Generator().manual_seed(0)
 
     def toks(n):
@@ -85,7 +49,7 @@ def test_flashinfer_logits_match_torch_backend(tmp_path, head_dim, page_size):
 def test_custom_mask_prefill_matches_torch_backend(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(tiny_config(64)))
     runners = [make_runner(str(tmp_path), b, 1) for b in ("torch", "flashinfer")]
-    drivers = [Driver(r) for r in runners]
+    drivers = [Driver(r, every_token=True) for r in runners]
     prompts = [(0, list(range(10, 30))), (1, list(range(40, 47)))]
     for d in drivers:
         d.step(ForwardMode.EXTEND, prompts)
