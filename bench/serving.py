@@ -113,7 +113,7 @@ async def sweep(args: argparse.Namespace, reqs: list[Request],
             m = summarize(results, duration)
             errors = [r.error for r in results if not r.ok and r.error != CUT]
             if errors:
-                print(f"{len(errors)} failed; first error: {errors[0]}", file=sys.stderr)
+                print(f"{len(errors)} failed; errors: {errors[:5]}", file=sys.stderr)
         m.update(max_concurrency=c, num_prompts=min(n, len(reqs)))
         rows.append(m)
         if on_level is not None:

@@ -145,7 +145,7 @@ async def send(client: httpx.AsyncClient, args: argparse.Namespace, req: Request
         res.output_len = res.output_len or seen
         res.ok = seen > 0
     except httpx.HTTPError as e:
-        res.error = f"{type(e).__name__}: {e}"
+        res.error = f"{type(e).__name__}: {e} (cause {e.__cause__!r}, after {seen} tokens)"
     return res
 
 
