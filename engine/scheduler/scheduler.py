@@ -134,8 +134,10 @@ class Scheduler:
         reqs, ext_lens, mode = self._schedule()
         step = launched.launch(self, reqs, ext_lens, mode, self.inflight) if reqs else None
         outs.extend(self.drain())  # step N's results while step N+1 runs on the device
+        # a step whose requests all ended in step N is void: finish it now, so an idle engine
+        # is never busy (flush_cache, weight updates) once its last answer is out
         if step is not None:
-            if self.overlap and step.deferrable:
+            if self.overlap and step.deferrable and self.running:
                 self.inflight = step
             else:
                 outs.extend(launched.finish(self, step))
@@ -202,17 +204,26 @@ class Scheduler:
         return decode, [1] * len(decode), ForwardMode.DECODE
 
     def _alloc_decode(self, reqs: list[Req]) -> list[Req]:
-        """One KV slot per decoding request; on shortage retract the newest requests (their
-        computed KV goes to the prefix cache, they recompute later). A request alone that
-        still finds no room has outgrown the KV pool: it is aborted at the next step."""
+        """One KV slot per decoding request; on shortage retract the newest other running
+        request, partial prefills included (its computed KV goes to the prefix cache, it
+        recomputes later), or this one when all the others already have their slot. A request
+        alone that still finds no room has outgrown the KV pool: it is aborted at the next
+        step."""
         ok, pending = [], list(reqs)
         while pending:
             req = pending[0]
             if self.mem.alloc_slots(req, 1):
                 ok.append(pending.pop(0))
                 continue
-            victim = pending.pop()
-            if victim is req and not ok:
+            served = set(map(id, ok))
+            others = [q for q in self.running if q is not req and id(q) not in served]
+            if others:
+                victim = others[-1]
+                if victim in pending:
+                    pending.remove(victim)
+            elif ok:
+                victim = pending.pop(0)
+            else:
                 req.to_abort = FinishReason("abort", message="KV cache full: sequence longer "
                                             "than the KV pool", status_code=400)
                 break
@@ -225,6 +236,9 @@ class Scheduler:
         logger.info("retracting %s (KV cache full)", req.rid)
         self.running.remove(req)
         self.mem.release(req)
+        if not req.prompt_logprobs_done:  # recomputed from logprob_start_len on readmission
+            req.input_token_logprobs.clear()
+            req.input_top_logprobs.clear()
         req.status = ReqStatus.WAITING
         req.total_retractions += 1
         self.waiting.appendleft(req)

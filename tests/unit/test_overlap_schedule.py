@@ -189,3 +189,45 @@ def test_kv_shortage_and_chunked_prefill_with_overlap_match_plain():
             [ref[f"r{i}"]["output_ids"] for i in range(len(PROMPTS))]
         if "max_total_tokens" in kw:
             assert sum(r["meta_info"]["total_retractions"] for r in got.values()) > 0
+
+
+def test_engine_is_idle_once_the_last_answer_is_out():
+    # the request ends on a stop token: the step launched beside its last one is void
+    eng = make(True)
+    out = eng.generate("Once upon a time", {**G, "stop_token_ids": [426]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 426}
+    assert not eng.scheduler.busy and eng.scheduler.inflight is None
+    assert eng.scheduler.flush_cache() == (True, "Cache flushed.")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decode_short_of_kv_retracts_a_partial_prefill_rather_than_aborting(overlap):
+    # A (10 + 30 tokens) fits the 64-slot pool; B's memory-limited first chunk takes the last
+    # free slots, so A's next decode slot must come from retracting B, not from aborting A
+    eng = make(overlap, max_total_tokens=64)
+    sp = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 30, "ignore_eos": True})
+    reqs = [GenerateReqInput("A", list(range(10, 20)), sp)]
+    late = GenerateReqInput("B", list(range(100, 150)), SamplingParams.from_dict(
+        {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}))
+    res, _ = run(eng, reqs, lambda k, s: s.add_request(late) if k == 3 else None)
+    assert res["A"]["meta_info"]["finish_reason"] == {"type": "length", "length": 30}
+    assert res["B"]["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    assert res["B"]["meta_info"]["total_retractions"] >= 1
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prompt_logprobs_of_a_retracted_chunked_prefill_are_reported_once(overlap):
+    eng = make(overlap, chunked_prefill_size=8)
+    prompt = list(range(100, 125))
+    req = GenerateReqInput("A", prompt, SamplingParams.from_dict(
+        {"temperature": 0, "max_new_tokens": 3}), return_logprob=True, logprob_start_len=0)
+
+    def retract_mid_prefill(k, s):
+        if k == 1:
+            s.pause_generation("retract")
+            s.continue_generation()
+
+    res, _ = run(eng, [req], retract_mid_prefill)
+    lps = res["A"]["meta_info"]["input_token_logprobs"]
+    assert [t for _, t in lps] == prompt and lps[0][0] is None
+    assert res["A"]["meta_info"]["total_retractions"] == 1
