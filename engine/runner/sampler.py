@@ -163,11 +163,11 @@ def plain_greedy(reqs: list[Req], eos_token_ids: tuple[int, ...] = ()) -> bool:
     return True
 
 
-def greedy_next_ids(logits: torch.Tensor) -> list[int]:
-    """Argmax of each row of ``logits`` [B, V] as a Python list: one kernel and the step's one
-    device-to-host copy. Equals ``Sampler(...).next_token_ids.tolist()`` on a batch for which
-    ``plain_greedy`` holds (argmax of the unmodified float32 logits, first index on ties)."""
-    return logits.float().argmax(dim=-1).tolist()
+def greedy_next_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax of each row of ``logits`` [B, V]: [B] int64 on the logits' device, one kernel, no
+    host sync. Equals ``Sampler(...).next_token_ids`` on a batch for which ``plain_greedy``
+    holds (argmax of the unmodified float32 logits, first index on ties)."""
+    return logits.float().argmax(dim=-1)
 
 
 def _scatter_rows(rows: list[list[int]], vocab_size: int, device: torch.device,

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.runner.forward_batch import build_forward_batch
-from engine.runner.sampler import SampleOutput, SamplingBatchInfo, plain_greedy
+from engine.runner.sampler import (SampleOutput, SamplingBatchInfo, greedy_next_ids,
+                                   plain_greedy)
 from engine.scheduler import output
 from engine.types import ForwardMode, Req, ReqStatus
 
@@ -133,7 +134,7 @@ def launch(sched, reqs: list[Req], ext_lens: list[int], mode: ForwardMode,
         rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
         if plain_greedy(sample_reqs, sched.eos_token_ids):
             # argmax on the device, no per-row sampling tensors (same tokens as the sampler)
-            res.next_token_ids = rows.float().argmax(dim=-1)
+            res.next_token_ids = greedy_next_ids(rows)
         else:
             info = SamplingBatchInfo.from_reqs(sample_reqs, sched.vocab_size, logits.device,
                                                sched.eos_token_ids)

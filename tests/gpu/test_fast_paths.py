@@ -81,4 +81,4 @@ def test_greedy_shortcut_equals_full_sampler_on_model_logits(tmp_path):
             for i in range(5)]
     assert plain_greedy(reqs)
     info = SamplingBatchInfo.from_reqs(reqs, 512, logits.device)
-    assert greedy_next_ids(logits) == Sampler(0)(logits, info, reqs).next_token_ids.tolist()
+    assert greedy_next_ids(logits).tolist() == Sampler(0)(logits, info, reqs).next_token_ids.tolist()

@@ -88,7 +88,7 @@ def test_plain_greedy_fast_path_equals_full_sampler(device):
     assert plain_greedy(reqs, eos_token_ids=(2,))
     info = SamplingBatchInfo.from_reqs(reqs, 300, torch.device(device), eos_token_ids=(2,))
     full = Sampler(seed=0)(logits, info, reqs, False, 0).next_token_ids.tolist()
-    assert greedy_next_ids(logits) == full
+    assert greedy_next_ids(logits).tolist() == full
     assert full[2] == 7
 
 
