@@ -192,7 +192,7 @@ class ReqStatus(enum.Enum):
     FINISHED = 2
 
 
-@dataclass
+@dataclass(eq=False)  # identity: requests are found in and removed from lists
 class Req:
     """One sequence being generated.
 

@@ -81,12 +81,19 @@ def prompt_logprob_positions(req: Req, start: int, n: int) -> list[int]:
     return [p for p in range(start, start + n) if first <= p <= last]
 
 
+def add_first_prompt_logprob(req: Req) -> None:
+    """SGLang reports None for the first prompt token (nothing predicts it). A one-token prompt
+    has nothing else to report: it is done at admission."""
+    req.input_token_logprobs.append((None, req.origin_input_ids[0]))
+    req.input_top_logprobs.append([])
+    req.prompt_logprobs_done = len(req.origin_input_ids) == 1
+
+
 def add_prompt_logprobs(req: Req, positions: list[int], logits: torch.Tensor) -> None:
     """Record logprobs of prompt tokens ``positions + 1`` from ``logits`` [len(positions), V]
     float32. SGLang reports None for the first prompt token (nothing predicts it)."""
     if not req.input_token_logprobs and req.logprob_start_len == 0:
-        req.input_token_logprobs.append((None, req.origin_input_ids[0]))
-        req.input_top_logprobs.append([])
+        add_first_prompt_logprob(req)
     targets = torch.tensor([req.origin_input_ids[p + 1] for p in positions],
                            device=logits.device)
     lps, tops = compute_prompt_logprobs(logits, targets, req.top_logprobs_num)

@@ -84,6 +84,8 @@ class Scheduler:
                   r.logprob_start_len, r.stream, r.log_metrics)
         sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - len(r.input_ids))
         req.detok = output.make_detokenizer(self.tokenizer, sp, req.origin_input_ids)
+        if req.return_logprob and req.logprob_start_len == 0 and len(r.input_ids) == 1:
+            output.add_first_prompt_logprob(req)
         (self.held if self.hold_new else self.waiting).append(req)
 
     def _validate(self, r: GenerateReqInput) -> None:
@@ -215,8 +217,8 @@ class Scheduler:
             if self.mem.alloc_slots(req, 1):
                 ok.append(pending.pop(0))
                 continue
-            served = set(map(id, ok))
-            others = [q for q in self.running if q is not req and id(q) not in served]
+            served = set(ok)
+            others = [q for q in self.running if q is not req and q not in served]
             if others:
                 victim = others[-1]
                 if victim in pending:

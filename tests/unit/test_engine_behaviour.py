@@ -155,6 +155,13 @@ def test_prompt_and_output_logprobs(engine):
     assert [top[0][1] for top in m["output_top_logprobs"]] == out["output_ids"]
 
 
+def test_one_token_prompt_reports_its_none_prompt_logprob(engine):
+    out = engine.generate(input_ids=[300], sampling_params={"temperature": 0, "max_new_tokens": 2},
+                          return_logprob=True, logprob_start_len=0)
+    assert out["meta_info"]["input_token_logprobs"] == [(None, 300)]
+    assert out["meta_info"]["input_top_logprobs"] == [[]]
+
+
 def test_stop_prefix_len():
     from engine.tokenizer import stop_prefix_len
     assert stop_prefix_len(", there was a little gir", [" girl"]) == 4
