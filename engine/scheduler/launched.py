@@ -6,7 +6,7 @@ The overlap scheduler (SGLang's ``event_loop_overlap``, shared/reference/sglang-
 launches step N+1 before it finishes step N, so the host work of one step runs while the GPU
 computes the other. Until ``finish`` runs, a token sampled by step N sits in ``req.output_ids`` as
 a placeholder ``-(i + 1)``, i = the request's row among step N's sampled requests; step N+1's
-input ids are resolved on the device from step N's ``next_ids`` (``resolve_placeholders``). A
+input ids are resolved on the device from step N's sampled ids (``resolve_placeholders``). A
 request that step N finishes (EOS, stop string) may already be in step N+1: ``finish`` drops its
 placeholder there and step N+1's token for it is discarded. Without overlap, ``finish`` follows
 ``launch`` at once and no placeholder outlives the step.
@@ -29,20 +29,20 @@ from engine.types import ForwardMode, Req, ReqStatus
 class LaunchedStep:
     """A step whose model forward and sampling are queued on the device.
 
-    ``plan[j]`` = (prompt-logprob positions, samples?) of ``reqs[j]``; ``logits`` [R, V] f32 are
-    the step's logits rows (read by ``finish`` only for prompt logprobs, and such a step is
-    never deferred: a later CUDA-graph replay overwrites graph outputs). ``sample_reqs[i]``
-    sampled ``next_ids[i]`` ([S] int64, on the device); ``slots[i]`` is the index of its
+    ``prompt`` lists (request, prompt-logprob positions, first row in ``logits``); ``logits``
+    [R, V] f32 are the step's logits rows (read by ``finish`` only for prompt logprobs, and
+    such a step is never deferred: a later CUDA-graph replay overwrites graph outputs).
+    ``sample_reqs[i]`` sampled ``res.next_token_ids[i]`` ([S] int64, on the device);
+    ``slots[i]`` is the index of its
     placeholder in ``output_ids`` (None when ``max_new_tokens`` is 0: nothing is appended).
     ``host_ids`` ([S] int64, pinned on CUDA) holds the same ids once ``done`` has fired."""
 
     reqs: list[Req]
-    plan: list[tuple[list[int], bool]]
+    prompt: list[tuple[Req, list[int], int]]
     logits: torch.Tensor
     sample_reqs: list[Req]
     slots: list[int | None]
     res: SampleOutput
-    next_ids: torch.Tensor
     host_ids: torch.Tensor
     done: torch.cuda.Event | None
 
@@ -50,8 +50,7 @@ class LaunchedStep:
     def deferrable(self) -> bool:
         """``finish`` may wait until after the next launch: it needs no logits, and no request
         of the step samples from token values (the next step would have to drain it first)."""
-        return not any(rows for rows, _ in self.plan) and not any(
-            needs_token_values(r) for r in self.reqs)
+        return not self.prompt and not any(needs_token_values(r) for r in self.reqs)
 
 
 def placeholder(i: int) -> int:
@@ -118,13 +117,15 @@ def launch(sched, reqs: list[Req], ext_lens: list[int], mode: ForwardMode,
     if min(ids) < 0:
         if prev is None:
             raise RuntimeError("placeholder token without a step in flight")
-        resolve_placeholders(batch.input_ids, prev.next_ids)
+        resolve_placeholders(batch.input_ids, prev.res.next_token_ids)
     logits = runner.forward(batch).next_token_logits
     for req, n in zip(reqs, ext_lens):
         req.num_computed_tokens += n
-    sample_reqs, sample_rows, row = [], [], 0
+    prompt, sample_reqs, sample_rows, row = [], [], [], 0
     for req, (prompt_rows, samples) in zip(reqs, plan):
-        row += len(prompt_rows)
+        if prompt_rows:
+            prompt.append((req, prompt_rows, row))
+            row += len(prompt_rows)
         if samples:
             sample_reqs.append(req)
             sample_rows.append(row)
@@ -149,19 +150,14 @@ def launch(sched, reqs: list[Req], ext_lens: list[int], mode: ForwardMode,
             continue
         slots.append(len(req.output_ids))
         req.output_ids.append(placeholder(i))
-    return LaunchedStep(reqs, plan, logits, sample_reqs, slots, res, res.next_token_ids,
-                        host_ids, done)
+    return LaunchedStep(reqs, prompt, logits, sample_reqs, slots, res, host_ids, done)
 
 
 def finish(sched, step: LaunchedStep) -> list:
     """Wait for ``step``'s sampled ids and apply them: prompt logprobs, append + finish checks,
     KV release of finished requests, the ``ReqOutput``s to send (in request order)."""
-    row = 0
-    for req, (prompt_rows, samples) in zip(step.reqs, step.plan):
-        if prompt_rows:
-            output.add_prompt_logprobs(req, prompt_rows, step.logits[row:row + len(prompt_rows)])
-            row += len(prompt_rows)
-        row += samples
+    for req, positions, row in step.prompt:
+        output.add_prompt_logprobs(req, positions, step.logits[row:row + len(positions)])
     if not step.sample_reqs:
         return []
     if step.done is not None:
