@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +29,16 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def post_in_background(url: str, body: dict, timeout: float
+                       ) -> tuple[threading.Thread, list[int]]:
+    """POST ``body`` to ``url`` from a started thread; its status code lands in the list."""
+    results: list[int] = []
+    thread = threading.Thread(target=lambda: results.append(
+        httpx.post(url, json=body, timeout=timeout).status_code))
+    thread.start()
+    return thread, results
 
 
 def run_on_taken_port(extra: list[str]) -> tuple[subprocess.CompletedProcess, int]:

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from harness import STORIES
+from harness import STORIES, post_in_background
 
 TIMEOUT_S = 4.0
 STARTUP_DELAY_S = 8.0
@@ -85,10 +84,7 @@ def test_hung_engine_gives_503_then_recovers(server):
 
 def test_dead_engine_gives_503_and_fails_pending_requests(server):
     pid = server.engine_pid()
-    results: list[int] = []
-    pending = threading.Thread(target=lambda: results.append(
-        httpx.post(server.url + "/generate", json=LONG, timeout=300).status_code))
-    pending.start()
+    pending, results = post_in_background(server.url + "/generate", LONG, timeout=300)
     time.sleep(0.5)
     os.kill(pid, signal.SIGKILL)
     t = time.time()

@@ -15,13 +15,13 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import threading
 import time
 
 import httpx
 import pytest
 
-from harness import STORIES, ServerProcess, free_port, run_on_taken_port
+from harness import (STORIES, ServerProcess, free_port, post_in_background,
+                     run_on_taken_port)
 from engine.config import EngineArgs
 from engine.distributed import launch as dist_launch
 from engine.distributed.parallel_state import ParallelState
@@ -91,10 +91,7 @@ def test_node0_serves_tp1_tokens_and_its_sigterm_stops_node1(launch, tp1_tokens)
 def test_killing_node1_turns_node0_health_503_and_fails_pending_requests(launch):
     node0, node1 = _start_pair(launch, ["--skip-server-warmup"])
     engine0 = node0.engine_pid()
-    results: list[int] = []
-    pending = threading.Thread(target=lambda: results.append(
-        httpx.post(node0.url + "/generate", json=LONG, timeout=120).status_code))
-    pending.start()
+    pending, results = post_in_background(node0.url + "/generate", LONG, timeout=120)
     time.sleep(0.5)
     os.kill(node1.proc.pid, signal.SIGKILL)  # its engine must not outlive it
     t0 = time.time()
